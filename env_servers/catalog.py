@@ -1,0 +1,87 @@
+"""The one place the server asks for environments by name.
+
+    source = load_source("gsm8k")            # cheap: data loads on first use
+    source.splits                            # {"train": 250, "test": 60}
+    env = await source.make("train", 3)      # a fresh Aviary Environment, not yet reset
+    obs, tools = await env.reset()
+    ...
+    await env.close()
+
+Built-in names come first; any other name falls back to environments Aviary itself knows
+(`TaskDataset.from_name`, then `Environment.from_name`).
+"""
+
+from collections.abc import Callable
+
+from env_servers.envs.source import (
+    UNBOUNDED,
+    EnvironmentSource,
+    RescoreUnsupportedError,
+    reward_components,
+)
+
+
+def _gsm8k(options: dict[str, str]) -> EnvironmentSource:
+    from env_servers.envs.gsm8k import GSM8kOptions, GSM8kSource
+
+    return GSM8kSource(GSM8kOptions.model_validate(options))
+
+
+def _notebook(options: dict[str, str]) -> EnvironmentSource:
+    # Imported lazily: the notebook stack (jupyter, litellm) takes seconds to import.
+    from env_servers.envs.notebook import NotebookOptions, NotebookSource
+
+    return NotebookSource(NotebookOptions.model_validate(options))
+
+
+def _toy(options: dict[str, str]) -> EnvironmentSource:
+    from env_servers.envs.toy import ToyOptions, ToySource
+
+    return ToySource(ToyOptions.model_validate(options))
+
+
+_BUILTINS: dict[str, Callable[[dict[str, str]], EnvironmentSource]] = {
+    "gsm8k": _gsm8k,
+    "notebook": _notebook,
+    "toy": _toy,
+}
+
+
+def builtin_names() -> list[str]:
+    return sorted(_BUILTINS)
+
+
+def load_source(name: str, options: dict[str, str] | None = None) -> EnvironmentSource:
+    """The environment source called `name`, configured by string `options`.
+
+    Raises ValueError for an unknown name (listing what is available) or bad options.
+    """
+    options = dict(options or {})
+    if name in _BUILTINS:
+        return _BUILTINS[name](options)
+
+    from env_servers.envs.aviary_registry import (
+        AviaryDatasetSource,
+        AviaryEnvironmentSource,
+        aviary_names,
+    )
+    from aviary.env import ENV_REGISTRY, TASK_DATASET_REGISTRY
+
+    if name in TASK_DATASET_REGISTRY:
+        return AviaryDatasetSource(name, options)
+    if name in ENV_REGISTRY:
+        return AviaryEnvironmentSource(name, options)
+    raise ValueError(
+        f"unknown environment {name!r}; built-in environments: {builtin_names()};"
+        f" other names Aviary can build: {aviary_names()}"
+    )
+
+
+__all__ = [
+    "UNBOUNDED",
+    "EnvironmentSource",
+    "RescoreUnsupportedError",
+    "builtin_names",
+    "load_source",
+    "reward_components",
+]

@@ -1,0 +1,120 @@
+"""GSM8K-format arithmetic word problems on Aviary's own CalculatorEnv and GSM8kDataset.
+
+The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset reads it through
+`hf_source=<that folder>`, so nothing is downloaded.
+"""
+
+import asyncio
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+
+from aviary.core import Message
+from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
+from pydantic import BaseModel, ConfigDict
+
+from env_servers.envs.source import (
+    EnvironmentSource,
+    RewardComponents,
+    last_tool_argument,
+    require_fields,
+)
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
+
+# Our split name -> (file in DATA_DIR, Aviary's GSM8kDatasetSplit). Aviary's "train" keeps 80% of
+# the training file; "train_full" keeps all of it, which is what a small shipped set wants.
+SPLITS = {"train": ("train.jsonl", "train_full"), "test": ("test.jsonl", "test")}
+
+
+class GSM8kOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: Path = DATA_DIR
+
+
+def parse_answer_number(answer: str) -> float:
+    """The number of a GSM8K answer: either bare ("72") or after GSM8K's "#### " marker."""
+    text = answer.split("#### ")[-1].replace(",", "").strip()
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"gsm8k answer must be a number or end in '#### <number>', got {answer!r}"
+        ) from None
+
+
+class GSM8kSource(EnvironmentSource):
+    name = "gsm8k"
+    description = (
+        "Arithmetic word problems in GSM8K format; tools: calculator(expr), submit_answer(answer)."
+        " Reward 1 for a correct submission, 0 for a wrong one, -1 for a failed tool call."
+    )
+
+    def __init__(self, options: GSM8kOptions) -> None:
+        self.options = options
+        self._datasets: dict[str, GSM8kDataset] = {}
+        self._loading = asyncio.Lock()
+        for file_name, _ in SPLITS.values():
+            if not (options.data_dir / file_name).is_file():
+                raise FileNotFoundError(
+                    f"gsm8k data file {options.data_dir / file_name} is missing; run"
+                    " env_servers/data/gsm8k/generate.py or point data_dir at a GSM8K folder"
+                )
+
+    @cached_property
+    def _rows(self) -> dict[str, list[dict[str, str]]]:
+        return {
+            split: [
+                json.loads(line)
+                for line in (self.options.data_dir / file_name).read_text().splitlines()
+            ]
+            for split, (file_name, _) in SPLITS.items()
+        }
+
+    @property
+    def splits(self) -> dict[str, int]:
+        return {split: len(rows) for split, rows in self._rows.items()}
+
+    async def _dataset(self, split: str) -> GSM8kDataset:
+        async with self._loading:
+            if split not in self._datasets:
+                aviary_split = SPLITS[split][1]
+                self._datasets[split] = await asyncio.to_thread(
+                    GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
+                )
+        return self._datasets[split]
+
+    async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
+        return (await self._dataset(split)).get_new_env_by_idx(index)
+
+    async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
+        require_fields(self.name, task, {"question", "answer"})
+        return CalculatorEnv(
+            problem_id=None, problem=task["question"], answer=parse_answer_number(task["answer"])
+        )
+
+    def _summary_checked(self, split: str, index: int) -> dict[str, str]:
+        row = self._rows[split][index]
+        return {"question": row["question"], "answer": row["answer"].split("#### ")[-1]}
+
+    async def rescore(
+        self, split: str, index: int, messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """Score the final submit_answer call the way CalculatorEnv.submit_answer does.
+
+        Only the submission is scored: rewards earned by calculator calls are not replayed.
+        """
+        self.check_task(split, index)
+        env = CalculatorEnv(
+            problem_id=None,
+            problem=self._rows[split][index]["question"],
+            answer=parse_answer_number(self._rows[split][index]["answer"]),
+            config=CalculatorEnvConfig(),
+        )
+        answer = last_tool_argument(messages, "submit_answer", "answer")
+        if answer is None:
+            return env.config.incorrect_reward, {"correct": 0.0, "submitted": 0.0}
+        correct, reward, _ = env.submit_answer(answer)
+        return reward, {"correct": float(correct), "submitted": 1.0}

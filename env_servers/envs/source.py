@@ -1,0 +1,117 @@
+"""What every environment source offers the server: tasks by split and index, inline tasks,
+summaries for logs, and (where the environment allows it) re-scoring of stored trajectories."""
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from aviary.core import Environment, Message, ToolRequestMessage
+
+# Size reported for a split whose dataset has no length (Aviary's infinite TaskDatasets).
+UNBOUNDED = -1
+
+RewardComponents = dict[str, float]
+
+
+class RescoreUnsupportedError(NotImplementedError):
+    """The source cannot score a stored trajectory without replaying it."""
+
+
+@runtime_checkable
+class ReportsRewardComponents(Protocol):
+    """An environment that explains its last reward as named components."""
+
+    reward_components: RewardComponents
+
+
+def reward_components(env: Environment) -> RewardComponents:
+    """The named parts of the env's latest reward; empty for envs that do not report them."""
+    if isinstance(env, ReportsRewardComponents):
+        return dict(env.reward_components)
+    return {}
+
+
+def last_tool_argument(messages: Sequence[Message], tool: str, argument: str) -> str | None:
+    """The `argument` of the latest call to `tool` in a trajectory, or None if never called.
+
+    Arguments are returned as strings because answers are compared as text or parsed numbers.
+    """
+    for message in reversed(messages):
+        if not isinstance(message, ToolRequestMessage):
+            continue
+        for call in reversed(message.tool_calls):
+            if call.function.name == tool and argument in call.function.arguments:
+                return str(call.function.arguments[argument])
+    return None
+
+
+def require_fields(
+    source: str, task: Mapping[str, str], required: set[str], optional: frozenset[str] = frozenset()
+) -> None:
+    """Reject an inline task whose fields are missing or unknown, naming what is expected."""
+    missing = required - task.keys()
+    unknown = task.keys() - required - optional
+    if missing or unknown:
+        raise ValueError(
+            f"{source} inline tasks take fields {sorted(required)} (optional: {sorted(optional)});"
+            f" missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
+
+
+class EnvironmentSource(ABC):
+    """A named family of Aviary environments the server can open episodes on.
+
+    `make` and `make_inline` return a fresh environment that has not been reset; the caller
+    owns it and must `close()` it.
+    """
+
+    name: str
+    description: str
+
+    @property
+    @abstractmethod
+    def splits(self) -> dict[str, int]:
+        """Split name -> number of tasks (UNBOUNDED when the dataset has no length)."""
+
+    @abstractmethod
+    async def _make_checked(self, split: str, index: int) -> Environment:
+        """Build the environment for a split and index already known to be valid."""
+
+    @abstractmethod
+    async def make_inline(self, task: dict[str, str]) -> Environment:
+        """Build an environment for a task given as fields; bad fields raise ValueError."""
+
+    @abstractmethod
+    def _summary_checked(self, split: str, index: int) -> dict[str, str]:
+        """Short description of a valid task for logs and viewers."""
+
+    async def make(self, split: str, index: int) -> Environment:
+        self.check_task(split, index)
+        return await self._make_checked(split, index)
+
+    def task_summary(self, split: str, index: int) -> dict[str, str]:
+        self.check_task(split, index)
+        return self._summary_checked(split, index)
+
+    async def rescore(
+        self, split: str, index: int, messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """Score a stored trajectory of this task without replaying it."""
+        raise RescoreUnsupportedError(
+            f"environment {self.name!r} cannot score a stored trajectory; replay it instead"
+        )
+
+    def check_task(self, split: str, index: int) -> None:
+        """KeyError for an unknown split, IndexError for an index outside it."""
+        splits = self.splits
+        if split not in splits:
+            raise KeyError(
+                f"environment {self.name!r} has no split {split!r}; its splits are {sorted(splits)}"
+            )
+        size = splits[split]
+        if index < 0 or (size != UNBOUNDED and index >= size):
+            bound = "any index >= 0" if size == UNBOUNDED else f"indices 0..{size - 1}"
+            raise IndexError(
+                f"task index {index} is out of range for {self.name!r} split {split!r},"
+                f" which has {bound}"
+            )

@@ -1,0 +1,39 @@
+"""Settings of the GRPO learner: loss, staleness, optimizer, batching."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GRPOConfig(BaseModel):
+    """Every knob of one GRPO training step. Defaults suit small models learning toy tasks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    # PPO-style asymmetric clip ("clip higher"): rho is clipped to [1 - eps_low, 1 + eps_high].
+    eps_low: float = Field(default=0.2, ge=0, lt=1)
+    eps_high: float = Field(default=0.28, ge=0)
+    # Added to the group reward std so that near-equal rewards do not explode the advantages.
+    adv_eps: float = Field(default=1e-6, gt=0)
+    # Importance weight pi_old/mu against the rollout policy: truncated at is_cap ("truncate"),
+    # tokens above the cap dropped ("mask"), or ignored ("off").
+    is_cap: float = Field(default=2.0, gt=0)
+    is_correction: Literal["truncate", "mask", "off"] = "truncate"
+    # Groups whose oldest trained token is more than this many versions old are dropped.
+    max_staleness: int = Field(default=1, ge=0)
+    # Upper bound of (sequences x padded length) in one forward/backward pass.
+    micro_batch_tokens: int = Field(default=4096, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    # Reference KL penalty (k3 estimator); 0 keeps no reference model.
+    kl_coef: float = Field(default=0.0, ge=0)
+    # Train each assistant turn as its own sequence (long multi-turn episodes); same loss value.
+    per_transition: bool = False
+    seed: int = 0
+    # fp8 needs a CUDA GPU with compute capability >= 8.9; fp8-emulated runs the FP8 numerics
+    # on any device (tests).
+    precision: Literal["fp32", "bf16", "fp8", "fp8-emulated"] = "fp32"

@@ -1,0 +1,97 @@
+"""Data-parallel training under torchrun with FSDP2 (`fully_shard`); a no-op in one process.
+
+Every rank calls `GRPOTrainer.train_step` with the same groups (rank 0 may `broadcast_groups`
+them first); each rank trains on its own slice of the sequences and FSDP2 reduces the gradients.
+FSDP2 runs on CPU with the gloo backend as well as on CUDA with NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from learner.types import RolloutGroup
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(timeout_s: float = 600.0) -> DistributedContext:
+    """Join the process group torchrun describes in the environment (no-op without torchrun).
+
+    NCCL when CUDA is available (each rank on cuda:LOCAL_RANK), gloo otherwise.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return current_context()
+
+
+def current_context() -> DistributedContext:
+    if dist.is_available() and dist.is_initialized():
+        return DistributedContext(rank=dist.get_rank(), world_size=dist.get_world_size())
+    return DistributedContext(rank=0, world_size=1)
+
+
+def shard_model(model: nn.Module, device_type: str) -> nn.Module:
+    """FSDP2: shard every repeated block (the items of each nn.ModuleList), then the root.
+
+    Sharding blocks separately lets FSDP2 gather one block's weights at a time.
+    """
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for block in module_list:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on CPU, named as in `model.state_dict()`; empty on ranks other than 0.
+
+    Collective under FSDP2: every rank must call it.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    if current_context().is_distributed:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def broadcast_groups(groups: list[RolloutGroup] | None, src: int = 0) -> list[RolloutGroup]:
+    """Give every rank the groups that rank `src` holds (other ranks pass None)."""
+    context = current_context()
+    if not context.is_distributed:
+        if groups is None:
+            raise ValueError("broadcast_groups in one process needs the groups themselves")
+        return groups
+    payload = [[g.model_dump() for g in groups] if context.rank == src else None]
+    dist.broadcast_object_list(payload, src=src)
+    return [RolloutGroup.model_validate(g) for g in payload[0]]

@@ -1,0 +1,294 @@
+"""Asynchronous GRPO: group-normalised advantages and the clipped, importance-corrected token loss.
+
+Notation (per trained token t of sample i in group g):
+    r_i          reward of sample i (SCORED samples only)
+    A_i          = (r_i - mean_g r) / (std_g r + adv_eps)               group-normalised advantage
+    pi_theta     the policy being trained; pi_old the policy before this step; mu the rollout policy
+    rho_t        = pi_theta(y_t) / pi_old(y_t)                           PPO ratio
+    w_t          = min(pi_old(y_t) / mu(y_t), is_cap)  (detached)        truncated importance weight
+    J_t          = w_t * min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)
+    loss         = -(1/N) sum_t J_t  (+ kl_coef (1/N) sum_t KL_t)        N = trained tokens in the batch
+
+N counts every trained completion token of the whole batch, so a micro-batch's loss is its share
+of the batch loss and micro-batches sum to exactly the full-batch loss and gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from learner.config import GRPOConfig
+from learner.types import RewardStatus, RolloutGroup, TrainSample
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    """One sequence ready for the loss: the tensors of a sample and its advantage."""
+
+    token_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] float, 1 where trained
+    rollout_logprobs: torch.Tensor  # [T] float, mu
+    advantage: float
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+
+@dataclass
+class BatchPlan:
+    """What one training step trains on, and what it left out and why."""
+
+    sequences: list[TrainSequence]
+    num_tokens: int  # N: trained completion tokens of the whole batch (the loss normaliser)
+    groups: int
+    groups_skipped_all_equal: int
+    infra_error_samples: int
+    unscored_samples: int
+    scored_rewards: list[float] = field(default_factory=list)
+
+
+def group_advantages(rewards: Sequence[float], adv_eps: float) -> list[float] | None:
+    """A_i = (r_i - mean r) / (std r + adv_eps), or None when the group carries no signal.
+
+    A group needs at least two rewards that differ: with all rewards equal every advantage is 0
+    and the group would only dilute the token normaliser.
+    """
+    if len(rewards) < 2 or max(rewards) == min(rewards):
+        return None
+    mean = sum(rewards) / len(rewards)
+    # Population std (divide by n), as in the GRPO paper's group statistics.
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + adv_eps) for r in rewards]
+
+
+def scored_samples(group: RolloutGroup) -> list[TrainSample]:
+    """The samples that may train: INFRA_ERROR and UNSCORED samples are masked out entirely."""
+    return [s for s in group.samples if s.reward_status is RewardStatus.SCORED]
+
+
+def group_has_signal(group: RolloutGroup) -> bool:
+    rewards = [s.reward for s in scored_samples(group)]
+    return group_advantages(rewards, adv_eps=1.0) is not None
+
+
+def split_into_transitions(sample: TrainSample) -> list[TrainSample]:
+    """Per-transition mode: one sample per assistant turn, each sharing the trajectory's reward.
+
+    A turn is a maximal run of trained tokens; its sample holds the context before it and the turn,
+    and trains only that turn. Every trained token lands in exactly one transition, so with the
+    trajectory's advantage the loss is unchanged while no sequence is longer than needed.
+    """
+    transitions: list[TrainSample] = []
+    mask = sample.loss_mask
+    t = 0
+    while t < len(mask):
+        if mask[t] == 0:
+            t += 1
+            continue
+        start = t
+        while t < len(mask) and mask[t] == 1:
+            t += 1
+        transitions.append(
+            sample.model_copy(
+                update={
+                    "token_ids": sample.token_ids[:t],
+                    "loss_mask": [0] * start + [1] * (t - start),
+                    "rollout_logprobs": sample.rollout_logprobs[:t],
+                    "policy_versions": sample.policy_versions[:t],
+                }
+            )
+        )
+    return transitions
+
+
+def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
+    return TrainSequence(
+        token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
+        loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
+        rollout_logprobs=torch.tensor(sample.rollout_logprobs, dtype=torch.float32),
+        advantage=advantage,
+    )
+
+
+def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPlan:
+    """Advantages per group over its SCORED samples; groups without signal are counted and skipped."""
+    sequences: list[TrainSequence] = []
+    skipped = infra = unscored = 0
+    rewards: list[float] = []
+    for group in groups:
+        infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
+        unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
+        samples = scored_samples(group)
+        rewards.extend(s.reward for s in samples)
+        advantages = group_advantages([s.reward for s in samples], config.adv_eps)
+        if advantages is None:
+            skipped += 1
+            continue
+        for sample, advantage in zip(samples, advantages):
+            parts = split_into_transitions(sample) if config.per_transition else [sample]
+            sequences.extend(_to_sequence(part, advantage) for part in parts)
+    num_tokens = int(sum(seq.loss_mask.sum().item() for seq in sequences))
+    return BatchPlan(
+        sequences=sequences,
+        num_tokens=num_tokens,
+        groups=len(groups),
+        groups_skipped_all_equal=skipped,
+        infra_error_samples=infra,
+        unscored_samples=unscored,
+        scored_rewards=rewards,
+    )
+
+
+def split_micro_batches(
+    sequences: Sequence[TrainSequence], micro_batch_tokens: int
+) -> list[list[TrainSequence]]:
+    """Greedy packing in order: each micro-batch keeps (count x longest length) <= the budget.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    batches: list[list[TrainSequence]] = []
+    current: list[TrainSequence] = []
+    longest = 0
+    for seq in sequences:
+        new_longest = max(longest, seq.length)
+        if current and new_longest * (len(current) + 1) > micro_batch_tokens:
+            batches.append(current)
+            current, new_longest = [], seq.length
+        current.append(seq)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded tensors; per-token tensors are aligned with the predicted tokens ids[:, 1:]."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T-1]
+    rollout_logprobs: torch.Tensor  # [B, T-1]
+    advantages: torch.Tensor  # [B]
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0) -> MicroBatch:
+    if not sequences:
+        raise ValueError("pad_right needs at least one sequence")
+    length = max(seq.length for seq in sequences)
+
+    def stack(values: list[torch.Tensor], fill: float) -> torch.Tensor:
+        return torch.stack([F.pad(v, (0, length - v.numel()), value=fill) for v in values])
+
+    ids = stack([s.token_ids for s in sequences], pad_token_id)
+    attention = stack([torch.ones(s.length, dtype=torch.long) for s in sequences], 0)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=stack([s.loss_mask for s in sequences], 0.0)[:, 1:],
+        rollout_logprobs=stack([s.rollout_logprobs for s in sequences], 0.0)[:, 1:],
+        advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+    )
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | y_<t) for t >= 1 and the policy entropy at each position (detached).
+
+    logits[:, t] predicts input_ids[:, t + 1]; computed in float32 whatever the model dtype.
+    """
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    chosen = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        # H = -sum_v p_v log p_v
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return chosen, entropy
+
+
+# Order of the summed statistics, so that ranks can all-reduce them as one tensor.
+STAT_NAMES = (
+    "objective",
+    "kl",
+    "entropy",
+    "clip_low",
+    "clip_high",
+    "is_weight",
+    "is_truncated",
+    "mismatch",
+    "tokens",
+)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_tokens: int,
+    config: GRPOConfig,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the batch loss, and summed token statistics for the metrics.
+
+    All per-token tensors are [B, T-1]; advantages is [B]; num_tokens is N of the whole batch.
+    Returns (loss, sums) where sums has STAT_NAMES plus "is_weight_max" (a max, not a sum).
+    """
+    if num_tokens <= 0:
+        raise ValueError("grpo_loss needs num_tokens > 0: the batch has no trained tokens")
+    mask = loss_mask
+    adv = advantages.unsqueeze(-1)  # A_i broadcast over the tokens of sample i
+
+    # rho = pi_theta / pi_old; with pi_old = pi_theta.detach() it is 1 but carries the gradient.
+    rho = torch.exp(logprobs - old_logprobs)
+    rho_clipped = torch.clamp(rho, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    surrogate = torch.minimum(rho * adv, rho_clipped * adv)
+
+    # Importance weight of the trainer's pi_old against the rollout policy mu (detached).
+    with torch.no_grad():
+        is_ratio = torch.exp(old_logprobs - rollout_logprobs) * mask
+        over_cap = (is_ratio > config.is_cap).float() * mask
+        if config.is_correction == "truncate":
+            weight = torch.clamp(is_ratio, max=config.is_cap)  # w = min(pi_old/mu, cap)
+        elif config.is_correction == "mask":
+            weight = is_ratio  # w = pi_old/mu, and tokens over the cap are dropped below
+            mask = mask * (1.0 - over_cap)
+        else:
+            weight = torch.ones_like(is_ratio)
+
+    objective = (weight * surrogate * mask).sum()
+    loss = -objective / num_tokens
+
+    kl_sum = torch.zeros((), device=logprobs.device)
+    if ref_logprobs is not None and config.kl_coef > 0:
+        # k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi_theta
+        d = ref_logprobs - logprobs
+        kl = torch.exp(d) - d - 1.0
+        kl_sum = (kl * mask).sum()
+        loss = loss + config.kl_coef * kl_sum / num_tokens
+
+    with torch.no_grad():
+        trained = loss_mask
+        sums = {
+            "objective": objective.detach(),
+            "kl": kl_sum.detach(),
+            "clip_low": ((adv < 0) & (rho < 1.0 - config.eps_low)).float().mul(trained).sum(),
+            "clip_high": ((adv > 0) & (rho > 1.0 + config.eps_high)).float().mul(trained).sum(),
+            "is_weight": is_ratio.sum(),
+            "is_truncated": over_cap.sum(),
+            # Inference/training mismatch: exp|log pi_theta - log mu| (1 means identical).
+            "mismatch": (torch.exp((logprobs - rollout_logprobs).abs()) * trained).sum(),
+            "tokens": trained.sum(),
+            "is_weight_max": is_ratio.max() if is_ratio.numel() else torch.zeros(()),
+        }
+    return loss, sums

@@ -1,0 +1,232 @@
+"""One GRPO optimizer step per batch of rollout groups, read top to bottom in `train_step`."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch import nn
+
+from learner.config import GRPOConfig
+from learner.distributed import all_reduce, current_context, full_state_dict, shard_model
+from learner.fp8 import apply_precision
+from learner.grpo import (
+    STAT_NAMES,
+    MicroBatch,
+    TrainSequence,
+    grpo_loss,
+    pad_right,
+    prepare_batch,
+    split_micro_batches,
+    token_logprobs_and_entropy,
+)
+from learner.types import RolloutGroup
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
+
+
+class StepMetrics(BaseModel):
+    """What one `train_step` did. Token metrics are means over the batch's trained tokens."""
+
+    step: int
+    policy_version: int
+    # False when no group carried signal: no optimizer step, no new policy version.
+    trained: bool
+    loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clip_frac_low: float = 0.0
+    clip_frac_high: float = 0.0
+    # Of the raw ratio pi_old/mu before truncation; is_frac_truncated: share of tokens over is_cap.
+    is_weight_mean: float = 0.0
+    is_weight_max: float = 0.0
+    is_frac_truncated: float = 0.0
+    # mean exp|log pi_theta - log mu|: 1.0 when trainer and rollout policies agree exactly.
+    mismatch: float = 0.0
+    grad_norm: float = 0.0
+    groups: int = 0
+    groups_skipped_all_equal: int = 0
+    frac_all_equal_groups: float = 0.0
+    infra_error_samples: int = 0
+    unscored_samples: int = 0
+    sequences: int = 0
+    micro_batches: int = 0
+    tokens: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+
+
+def _logits(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _reward_stats(rewards: list[float]) -> dict[str, float]:
+    if not rewards:
+        return {}
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return {"reward_mean": mean, "reward_std": std, "reward_min": min(rewards),
+            "reward_max": max(rewards)}
+
+
+class GRPOTrainer:
+    """Owns the model, the AdamW optimizer and the policy version.
+
+    `model` is a causal LM called as model(input_ids=, attention_mask=) returning logits (or an
+    object with .logits), already on its training device. Under torchrun (world size > 1, process
+    group initialised) the model is sharded with FSDP2 here.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: GRPOConfig,
+        *,
+        reference_model: nn.Module | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.config = config
+        self.pad_token_id = pad_token_id
+        self.context = current_context()
+        torch.manual_seed(config.seed)
+        self.device = next(model.parameters()).device
+
+        self.reference_model: nn.Module | None = None
+        if config.kl_coef > 0:
+            # The frozen reference defaults to the starting weights.
+            reference = reference_model if reference_model is not None else copy.deepcopy(model)
+            self.reference_model = self._prepare(reference).eval().requires_grad_(False)
+        self.model = self._prepare(model).train()
+
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.lr,
+            betas=config.adam_betas,
+            weight_decay=config.weight_decay,
+        )
+        self.step = 0
+        self.policy_version = 0
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        model = apply_precision(model, self.config.precision)
+        if self.context.is_distributed:
+            model = shard_model(model, self.device.type)
+        return model
+
+    def train_step(self, groups: list[RolloutGroup]) -> StepMetrics:
+        """One optimizer step on these groups; every rank must pass the same groups."""
+        config = self.config
+        plan = prepare_batch(groups, config)
+        base = {
+            "groups": plan.groups,
+            "groups_skipped_all_equal": plan.groups_skipped_all_equal,
+            "frac_all_equal_groups": plan.groups_skipped_all_equal / max(plan.groups, 1),
+            "infra_error_samples": plan.infra_error_samples,
+            "unscored_samples": plan.unscored_samples,
+            "sequences": len(plan.sequences),
+            "tokens": plan.num_tokens,
+            **_reward_stats(plan.scored_rewards),
+        }
+        if plan.num_tokens == 0:
+            return StepMetrics(
+                step=self.step, policy_version=self.policy_version, trained=False, **base
+            )
+
+        # Data parallel: each rank takes every world_size-th sequence. All ranks must run the same
+        # number of forward/backward passes (FSDP2 collectives), so short ranks pad with empty ones.
+        local = plan.sequences[self.context.rank :: self.context.world_size]
+        micro_batches = split_micro_batches(local, config.micro_batch_tokens)
+        count = all_reduce(torch.tensor(len(micro_batches)), dist.ReduceOp.MAX)
+        micro_batches += [[self._empty_sequence()]] * (int(count) - len(micro_batches))
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        is_weight_max = torch.zeros((), dtype=torch.float64)
+        for sequences in micro_batches:
+            batch = pad_right(sequences, self.pad_token_id).to(self.device)
+            logprobs, entropy = token_logprobs_and_entropy(
+                _logits(self.model, batch), batch.input_ids
+            )
+            # One optimizer step per batch: pi_old is the current policy, so rho = 1 at this step
+            # while the gradient still flows through pi_theta.
+            old_logprobs = logprobs.detach()
+            ref_logprobs = self._reference_logprobs(batch)
+            loss, stats = grpo_loss(
+                logprobs,
+                old_logprobs,
+                batch.rollout_logprobs,
+                batch.advantages.to(self.device),
+                batch.loss_mask,
+                plan.num_tokens,
+                config,
+                ref_logprobs,
+            )
+            # FSDP2 averages gradients over ranks; the loss is already a share of the global sum,
+            # so scale by world size to make that average the sum.
+            (loss * self.context.world_size).backward()
+            stats["entropy"] = (entropy * batch.loss_mask).sum()
+            sums += torch.stack([stats[name].double().cpu() for name in STAT_NAMES])
+            loss_sum += loss.detach().double().cpu()
+            is_weight_max = torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu())
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.step += 1
+        self.policy_version += 1
+
+        all_reduce(sums, dist.ReduceOp.SUM)
+        all_reduce(loss_sum, dist.ReduceOp.SUM)
+        all_reduce(is_weight_max, dist.ReduceOp.MAX)
+        totals = dict(zip(STAT_NAMES, sums.tolist()))
+        tokens = totals["tokens"]
+        return StepMetrics(
+            step=self.step,
+            policy_version=self.policy_version,
+            trained=True,
+            loss=float(loss_sum),
+            kl=totals["kl"] / tokens,
+            entropy=totals["entropy"] / tokens,
+            clip_frac_low=totals["clip_low"] / tokens,
+            clip_frac_high=totals["clip_high"] / tokens,
+            is_weight_mean=totals["is_weight"] / tokens,
+            is_weight_max=float(is_weight_max),
+            is_frac_truncated=totals["is_truncated"] / tokens,
+            mismatch=totals["mismatch"] / tokens,
+            grad_norm=float(grad_norm),
+            micro_batches=int(count),
+            **base,
+        )
+
+    def _empty_sequence(self) -> TrainSequence:
+        """Two pad tokens with nothing trained: a forward/backward that adds zero gradient."""
+        return TrainSequence(
+            token_ids=torch.full((2,), self.pad_token_id, dtype=torch.long),
+            loss_mask=torch.zeros(2),
+            rollout_logprobs=torch.zeros(2),
+            advantage=0.0,
+        )
+
+    def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor | None:
+        if self.reference_model is None:
+            return None
+        with torch.no_grad():
+            logprobs, _ = token_logprobs_and_entropy(
+                _logits(self.reference_model, batch), batch.input_ids
+            )
+        return logprobs
+
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU, named as in the model's state dict (empty on ranks other than 0).
+
+        Collective under FSDP2: every rank must call it.
+        """
+        return full_state_dict(self.model)

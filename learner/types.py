@@ -1,0 +1,85 @@
+"""The learner's input: sampled completions grouped by prompt, as the rollout clients deliver them."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class RewardStatus(str, Enum):
+    """Where a reward came from; only SCORED rewards train the policy."""
+
+    SCORED = "SCORED"
+    # The environment returned no verdict (e.g. no verifier for this task): not a signal.
+    UNSCORED = "UNSCORED"
+    # The environment failed: the sample is masked out, never read as a wrong answer.
+    INFRA_ERROR = "INFRA_ERROR"
+
+
+class TrainSample(BaseModel):
+    """One sampled completion: the prompt and every turn as one token sequence.
+
+    All per-token lists are aligned with `token_ids`.
+    """
+
+    token_ids: list[int]
+    # 1 where the policy produced the token and it is trained on; 0 for prompt/environment tokens.
+    loss_mask: list[int]
+    # mu: the policy server's logprob of each sampled token (0 where loss_mask is 0).
+    rollout_logprobs: list[float]
+    # The policy version that sampled each token (-1 where loss_mask is 0).
+    policy_versions: list[int]
+    reward: float
+    reward_status: RewardStatus = RewardStatus.SCORED
+    sample_index: int = 0
+
+    @model_validator(mode="after")
+    def _check_alignment(self) -> TrainSample:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError("TrainSample.token_ids is empty: a sample needs at least one token")
+        for name in ("loss_mask", "rollout_logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"TrainSample.{name} has {len(getattr(self, name))} entries but token_ids has "
+                    f"{n}: every per-token list must be aligned with token_ids"
+                )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("TrainSample.loss_mask must contain only 0 and 1")
+        if self.loss_mask[0] == 1:
+            raise ValueError(
+                "TrainSample.loss_mask[0] is 1: the first token has no context to be predicted "
+                "from; a sample must start with at least one prompt token"
+            )
+        if any(v < 0 for v, m in zip(self.policy_versions, self.loss_mask) if m == 1):
+            raise ValueError("TrainSample.policy_versions must be >= 0 wherever loss_mask is 1")
+        return self
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the trained tokens (None when nothing is trained)."""
+        versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m == 1]
+        return min(versions) if versions else None
+
+
+class RolloutGroup(BaseModel):
+    """The n samples of one prompt: the unit GRPO normalises advantages over."""
+
+    group_id: str
+    task: str
+    samples: list[TrainSample] = Field(min_length=1)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the tokens that will be trained (SCORED samples)."""
+        versions = [
+            v
+            for s in self.samples
+            if s.reward_status is RewardStatus.SCORED and (v := s.oldest_version) is not None
+        ]
+        return min(versions) if versions else None

@@ -1,0 +1,215 @@
+"""Plain data types of the policy server: what a backend takes and gives back.
+
+The gRPC layer maps these to and from protobuf; backends never see protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # a stop token or stop string ended the sample
+    LENGTH = "length"  # max_tokens or the model's context ran out
+    ABORT = "abort"  # the caller went away or the backend closed
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model asked for; `arguments` is a JSON object as a string."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ChatMessage:
+    """An OpenAI-style chat message. Assistant messages may carry tool calls; tool messages
+    answer one call by `tool_call_id`."""
+
+    role: str
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(
+                f"message role {self.role!r} is not one of system, user, assistant, tool"
+            )
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The dict shape chat templates expect (OpenAI chat format)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. temperature 0 means greedy decoding."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # None: fresh entropy per request
+    n: int = 1  # samples drawn from the same prompt (a GRPO group)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class GenerationRequest:
+    """Either chat `messages` (+ `tools`, OpenAI function schemas) or raw `prompt_token_ids`.
+
+    For a later turn of a chat, `previous_token_ids` holds the exact prompt + completion ids of the
+    previous turn; the new prompt is those ids followed by the tokens of what the conversation
+    added since, so earlier ids are never re-tokenized.
+    """
+
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    previous_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of messages or prompt_token_ids")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if self.prompt_token_ids is not None and (self.tools or self.previous_token_ids):
+            raise ValueError("tools and previous_token_ids only apply to chat messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens sampled since the last delta of one sample, streamed while sampling."""
+
+    sample_index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Completion tokens [start, end) were sampled by policy version `version`."""
+
+    start: int
+    end: int
+    version: int
+
+
+@dataclass
+class SampleResult:
+    """One finished sample. `text` is the whole completion text (stop token and stop string
+    excluded); `content` is that text without the parsed tool-call blocks."""
+
+    sample_index: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    content: str
+    tool_calls: list[ToolCall]
+    malformed: bool
+    version_spans: list[VersionSpan]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    model: str
+    backend: str
+    dtype: str
+    quantization: str  # "" when none
+    max_context: int
+    policy_version: int
+    capabilities: list[str]
+    supports_weight_updates: bool
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype (torch name without the "torch." prefix, e.g. "bfloat16")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WeightUpdateManifest:
+    """Header of a weight update: the version it installs and the tensors it carries."""
+
+    version: int
+    tensors: list[TensorSpec]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name (e.g. float32, bfloat16)")
+    return dtype
+
+
+def validate_weight_update(
+    manifest: list[TensorSpec], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong
+    shape or dtype. A backend calls this before it touches any weight."""
+    expected = {spec.name: spec for spec in manifest}
+    missing = sorted(expected.keys() - tensors.keys())
+    if missing:
+        raise ValueError(f"weight update is missing tensor {missing[0]!r} ({len(missing)} missing)")
+    extra = sorted(tensors.keys() - expected.keys())
+    if extra:
+        raise ValueError(f"weight update has unexpected tensor {extra[0]!r} ({len(extra)} extra)")
+    for name, spec in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}"
+            )
+        if dtype_name(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"tensor {name!r} has dtype {dtype_name(tensor.dtype)}, expected {spec.dtype}"
+            )

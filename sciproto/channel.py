@@ -1,0 +1,112 @@
+"""Channel factory used by every client: TLS or insecure, default deadlines,
+keepalive, message limits and bounded retries.
+
+Retries are done by gRPC itself, from the service config below, and only for
+UNAVAILABLE (the server was not reached or went away before answering). That
+is safe for every sciproto call because requests carry a `request_id` that
+servers use to answer a retry with the first result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, Field
+
+MiB = 1024 * 1024
+
+
+class TlsClientConfig(BaseModel):
+    """Server verification and, for mutual TLS, the client's own certificate."""
+
+    ca_cert: Path | None = Field(None, description="PEM bundle that signs the server; None uses the system roots")
+    client_cert: Path | None = Field(None, description="PEM certificate for mutual TLS")
+    client_key: Path | None = Field(None, description="PEM private key for mutual TLS")
+    server_name: str | None = Field(None, description="Override the name checked in the server's certificate")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        read = lambda p: p.read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.ca_cert), read(self.client_key), read(self.client_cert))
+
+
+class ChannelConfig(BaseModel):
+    """How a client reaches one server."""
+
+    target: str = Field(..., description="HOST:PORT, or any gRPC target URI")
+    tls: TlsClientConfig | None = Field(None, description="None: plaintext (loopback and trusted networks only)")
+    token: str | None = Field(None, description="Bearer token sent with every call", repr=False)
+    default_timeout_s: float = Field(60.0, gt=0, description="Deadline for unary calls and Generate when the caller sets none")
+    max_attempts: int = Field(4, ge=1, le=5, description="Tries per call on UNAVAILABLE (gRPC caps this at 5)")
+    initial_backoff_s: float = Field(0.2, gt=0)
+    max_backoff_s: float = Field(2.0, gt=0)
+    keepalive_time_s: float = Field(30.0, gt=0)
+    max_message_bytes: int = Field(64 * MiB, gt=0)
+
+    def service_config(self) -> str:
+        retry = {
+            "maxAttempts": self.max_attempts,
+            "initialBackoff": f"{self.initial_backoff_s}s",
+            "maxBackoff": f"{self.max_backoff_s}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+        policy: dict[str, Any] = {"name": [{}]}
+        if self.max_attempts > 1:
+            policy["retryPolicy"] = retry
+        return json.dumps({"methodConfig": [policy]})
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.service_config", self.service_config()),
+            ("grpc.enable_retries", 1 if self.max_attempts > 1 else 0),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            *((("grpc.ssl_target_name_override", self.tls.server_name),) if self.tls and self.tls.server_name else ()),
+        ]
+
+
+class _Defaults(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token to every call, and the default deadline to calls
+    with a single request (long-lived client streams set their own)."""
+
+    def __init__(self, timeout_s: float, token: str | None) -> None:
+        self.timeout_s = timeout_s
+        self.auth = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _details(self, details: grpc.aio.ClientCallDetails, default_timeout: bool) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.auth)
+        timeout = details.timeout if details.timeout is not None or not default_timeout else self.timeout_s
+        return grpc.aio.ClientCallDetails(details.method, timeout, metadata, details.credentials, details.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(self._details(details, True), request)
+
+    async def intercept_unary_stream(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(self._details(details, True), request)
+
+    async def intercept_stream_unary(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
+        return await continuation(self._details(details, False), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
+        return await continuation(self._details(details, False), request_iterator)
+
+
+def make_channel(config: ChannelConfig | str, interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to one server, configured as `config` says."""
+    if isinstance(config, str):
+        config = ChannelConfig(target=config)
+    all_interceptors = [_Defaults(config.default_timeout_s, config.token), *(interceptors or [])]
+    if config.tls is not None:
+        return grpc.aio.secure_channel(config.target, config.tls.credentials(), config.options(), interceptors=all_interceptors)
+    return grpc.aio.insecure_channel(config.target, config.options(), interceptors=all_interceptors)

@@ -1,0 +1,164 @@
+"""The `sciproto` command.
+
+Sub-commands import their component lazily, so `sciproto --help` and
+`sciproto describe` start fast and need neither torch nor Aviary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from sciproto.version import PROTOCOL_VERSION, __version__
+
+DEFAULT_PORTS = {"env": 50051, "policy": 50052, "learner": 50053}
+
+app = typer.Typer(help="sciproto: gRPC environments, policy and learner for RL on LLM agents.",
+                  no_args_is_help=True, add_completion=False)
+serve_app = typer.Typer(help="Run a server: env, policy or learner.", no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
+
+ConfigOption = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file, or a name in configs/")]
+SetOption = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: key.path=value (repeatable)")]
+HostOption = Annotated[Optional[str], typer.Option(help="Interface to bind (default 127.0.0.1)")]
+AuthOption = Annotated[Optional[Path], typer.Option("--auth", help="YAML file mapping roles to token sources")]
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _server_overrides(component: str, host: str | None, port: int | None, auth: Path | None,
+                      extra: list[str] | None) -> list[str]:
+    overrides = [f"server.port={port if port is not None else DEFAULT_PORTS[component]}"]
+    if host is not None:
+        overrides.append(f"server.host={host}")
+    if auth is not None:
+        overrides.append(f"auth.file={auth}")
+    return overrides + list(extra or [])
+
+
+def _run_component(module: str, config: str | None, overrides: list[str]) -> None:
+    importlib.import_module(module).main(config, overrides)
+
+
+@serve_app.command("env")
+def serve_env(
+    config: ConfigOption = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", help="Environment to host (repeatable)")] = None,
+    host: HostOption = None,
+    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
+    auth: AuthOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+) -> None:
+    """Serve Aviary environments over EnvironmentService."""
+    _setup_logging(verbose)
+    overrides = _server_overrides("env", host, port, auth, set_)
+    if env:
+        overrides.append(f"envs=[{','.join(env)}]")
+    _run_component("env_servers.app", config, overrides)
+
+
+@serve_app.command("policy")
+def serve_policy(
+    config: ConfigOption = None,
+    model: Annotated[Optional[str], typer.Option(help="tiny, smollm2, or a local model directory")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="transformers, vllm or openai")] = None,
+    host: HostOption = None,
+    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['policy']}; 0 = any free)")] = None,
+    auth: AuthOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+) -> None:
+    """Serve a policy model over PolicyService."""
+    _setup_logging(verbose)
+    overrides = _server_overrides("policy", host, port, auth, set_)
+    overrides += [f"model={model}"] if model else []
+    overrides += [f"backend={backend}"] if backend else []
+    _run_component("policy_server.app", config, overrides)
+
+
+@serve_app.command("learner")
+def serve_learner(
+    config: ConfigOption = None,
+    host: HostOption = None,
+    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['learner']}; 0 = any free)")] = None,
+    auth: AuthOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+) -> None:
+    """Serve the GRPO learner over LearnerService."""
+    _setup_logging(verbose)
+    _run_component("learner.app", config, _server_overrides("learner", host, port, auth, set_))
+
+
+@app.command()
+def describe(
+    target: Annotated[str, typer.Argument(help="HOST:PORT of any sciproto server")],
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each call")] = 10.0,
+    token: Annotated[Optional[str], typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token")] = None,
+    ca_cert: Annotated[Optional[Path], typer.Option(help="PEM CA bundle: use TLS")] = None,
+) -> None:
+    """Print a server's health, services and Describe as JSON."""
+    from sciproto.channel import ChannelConfig, TlsClientConfig
+    from sciproto.describe import describe as run_describe
+    from sciproto.describe import to_json
+
+    tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
+    config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
+    typer.echo(to_json(asyncio.run(run_describe(config))))
+
+
+@app.command()
+def version() -> None:
+    """Print the software and protocol versions."""
+    typer.echo(f"sciproto {__version__} (protocol {PROTOCOL_VERSION})")
+
+
+@app.command()
+def collect(
+    env: Annotated[list[str], typer.Option("--env", help="Env server HOST:PORT (repeatable: replicas)")],
+    policy: Annotated[list[str], typer.Option("--policy", help="Policy server HOST:PORT (repeatable: replicas)")],
+    tasks: Annotated[str, typer.Option(help="ENV:SPLIT, e.g. gsm8k:test")],
+    output: Annotated[Path, typer.Option(help="JSONL file of rollouts (appended; resumable)")],
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N tasks of the split")] = None,
+    samples: Annotated[int, typer.Option(help="Samples per task (a group)")] = 1,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+) -> None:
+    """Run the agent loop over a task split and write one JSON line per rollout."""
+    _setup_logging(verbose)
+    importlib.import_module("clients.collect").main(
+        env=env, policy=policy, tasks=tasks, output=output, limit=limit, samples=samples,
+        concurrency=concurrency, config=config, overrides=list(set_ or []),
+    )
+
+
+@app.command()
+def train(
+    config: Annotated[str, typer.Option("--config", "-c", help="YAML file, or a name in configs/")] = "demo",
+    set_: SetOption = None,
+    verbose: bool = False,
+) -> None:
+    """Train end to end: start env, policy and learner servers and the rollout client."""
+    _setup_logging(verbose)
+    importlib.import_module("clients.train").main(config, list(set_ or []))
+
+
+@app.command()
+def view(
+    rollouts: Annotated[Path, typer.Argument(help="JSONL file written by `sciproto collect` or `train`")],
+    port: Annotated[int, typer.Option(help="Port of the local page (0 = any free)")] = 8765,
+    open_browser: Annotated[bool, typer.Option("--open/--no-open", help="Open the page in a browser")] = False,
+) -> None:
+    """Serve a local page to browse rollouts: table, filters, reward histogram, transcripts."""
+    importlib.import_module("clients.viewer").main(rollouts, port=port, open_browser=open_browser)

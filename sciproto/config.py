@@ -1,0 +1,62 @@
+"""Configuration: pydantic models loaded from YAML, with `key.path=value`
+overrides from the command line (values parsed as YAML scalars, so
+`learner.lr=3e-4` is a float and `env.envs=[gsm8k,toy]` a list)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+Model = TypeVar("Model", bound=BaseModel)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says where."""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` inside nested dicts, creating levels as needed."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like key.path=value")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
+        node = child
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A config path as given, or a name in the shipped configs/ folder."""
+    candidate = Path(path)
+    for option in (candidate, CONFIG_DIR / candidate, CONFIG_DIR / f"{candidate}.yaml"):
+        if option.is_file():
+            return option
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config {str(path)!r} not found (shipped configs: {shipped})")
+
+
+def load_config(model: type[Model], path: str | Path | None = None, overrides: Sequence[str] = (),
+                section: str | None = None) -> Model:
+    """Validate YAML (optionally one `section` of it) plus overrides as `model`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(resolve_path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        data = loaded.get(section, {}) if section else loaded
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{error}") from error

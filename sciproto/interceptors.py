@@ -1,0 +1,106 @@
+"""Server interceptors: each wraps every call, whatever its streaming shape,
+in one async context (`around`), so a cross-cutting concern is written once
+instead of four times (unary/stream x unary/stream)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from sciproto.errors import Internal, SciprotoError, trailers_for
+
+log = logging.getLogger("sciproto.server")
+
+
+class AroundInterceptor(grpc.aio.ServerInterceptor):
+    """Base class: subclasses implement `around(method, context)`."""
+
+    def around(self, method: str, context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return wrap_handler(handler, handler_call_details.method, self.around)
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    method: str,
+    around: Callable[[str, grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]],
+) -> grpc.RpcMethodHandler:
+    """A copy of `handler` whose behaviour runs inside `around(method, context)`.
+    Streaming behaviours must be async generators (all sciproto servicers are)."""
+
+    def unary_response(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with around(method, context):
+                return await behaviour(request, context)
+
+        return call
+
+    def stream_response(behaviour: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with around(method, context):
+                async for response in behaviour(request, context):
+                    yield response
+
+        return call
+
+    if handler.unary_unary:
+        return handler._replace(unary_unary=unary_response(handler.unary_unary))
+    if handler.stream_unary:
+        return handler._replace(stream_unary=unary_response(handler.stream_unary))
+    if handler.unary_stream:
+        return handler._replace(unary_stream=stream_response(handler.unary_stream))
+    return handler._replace(stream_stream=stream_response(handler.stream_stream))
+
+
+class ErrorInterceptor(AroundInterceptor):
+    """Turns SciprotoError into its status with ErrorInfo; anything unexpected
+    into INTERNAL with the traceback logged here (never sent to the client)."""
+
+    @contextlib.asynccontextmanager
+    async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        try:
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except SciprotoError as error:
+            await context.abort(*trailers_for(error))
+        except Exception as error:  # a bug: keep serving, tell the client what kind
+            log.exception("unexpected error in %s", method)
+            internal = Internal(
+                f"internal error in {method}: {type(error).__name__}: {error}; "
+                "the server logged the traceback"
+            )
+            await context.abort(*trailers_for(internal))
+
+
+class LoggingInterceptor(AroundInterceptor):
+    """One log line per call: method, outcome, duration."""
+
+    @contextlib.asynccontextmanager
+    async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        start = time.perf_counter()
+        outcome = "OK"
+        try:
+            yield
+        except BaseException as error:
+            outcome = type(error).__name__
+            raise
+        finally:
+            code = context.code() if hasattr(context, "code") else None
+            if code not in (None, grpc.StatusCode.OK, 0):
+                outcome = str(code)
+            log.debug("%s %s %.1f ms", method, outcome, (time.perf_counter() - start) * 1e3)

@@ -1,0 +1,147 @@
+"""Server bootstrap shared by every sciproto component: a grpc.aio server
+with health checking, reflection, interceptors, message-size limits,
+keepalive, and graceful shutdown that drains in-flight calls on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import BaseModel, Field
+
+from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
+from sciproto.pb import common_pb2
+
+log = logging.getLogger("sciproto.server")
+
+MiB = 1024 * 1024
+
+
+class ServerConfig(BaseModel):
+    """Network settings of one server process."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind; loopback unless asked otherwise")
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    max_receive_message_bytes: int = Field(64 * MiB, gt=0)
+    max_send_message_bytes: int = Field(64 * MiB, gt=0)
+    keepalive_time_s: float = Field(30.0, gt=0, description="Ping an idle connection this often")
+    keepalive_timeout_s: float = Field(10.0, gt=0, description="Drop a connection whose ping goes unanswered")
+    grace_period_s: float = Field(10.0, ge=0, description="How long shutdown waits for in-flight calls")
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.so_reuseport", 0),
+        ]
+
+    def message_limits(self) -> common_pb2.MessageLimits:
+        return common_pb2.MessageLimits(
+            max_receive_message_bytes=self.max_receive_message_bytes,
+            max_send_message_bytes=self.max_send_message_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Service:
+    """A servicer and the generated function that registers it."""
+
+    name: str  # full service name, e.g. "sciproto.v1.EnvironmentService"
+    servicer: Any
+    register: Callable[[Any, grpc.aio.Server], None]
+
+
+class RunningServer:
+    """A started server: its bound port, health state and shutdown."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
+                 services: Sequence[Service], grace_period_s: float) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.services = services
+        self.grace_period_s = grace_period_s
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *(s.name for s in self.services)]:
+            await self.health.set(name, status)
+
+    async def stop(self) -> None:
+        """Refuse new calls, let in-flight ones finish within the grace period."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining in-flight calls (grace %.1f s)", self.grace_period_s)
+        await self.server.stop(self.grace_period_s)
+        for service in self.services:
+            close = getattr(service.servicer, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    config: ServerConfig,
+    services: Sequence[Service],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
+) -> RunningServer:
+    """Start serving `services`, with health and reflection, and return at once.
+
+    Interceptor order: logging, errors, then `interceptors` (auth, tracing),
+    so errors raised by any of them get a proper status.
+    """
+    server = grpc.aio.server(
+        interceptors=[LoggingInterceptor(), ErrorInterceptor(), *interceptors],
+        options=config.grpc_options(),
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in services:
+        service.register(service.servicer, server)
+    names = [s.name for s in services]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}: is the port in use?")
+    await server.start()
+    running = RunningServer(server, port, health_servicer, services, config.grace_period_s)
+    await running._set_health(health_pb2.HealthCheckResponse.SERVING)
+    return running
+
+
+async def serve_until_signalled(running: RunningServer, on_ready: Callable[[int], None] | None = None) -> None:
+    """Block until SIGTERM or SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(running.port)
+    await stop.wait()
+    log.info("signal received; shutting down")
+    await running.stop()
+
+
+def announce_port(component: str, port: int) -> None:
+    """Print the bound port on a line of its own, so that scripts and tests
+    that started the server with port 0 can read where it listens."""
+    print(f"SCIPROTO_READY {component} port={port}", flush=True)
