@@ -1,0 +1,3 @@
+from sciproto.cli import app
+
+app(prog_name="sciproto")
