@@ -60,12 +60,13 @@ def load_source(name: str, options: dict[str, str] | None = None) -> Environment
     if name in _BUILTINS:
         return _BUILTINS[name](options)
 
+    from aviary.env import ENV_REGISTRY, TASK_DATASET_REGISTRY
+
     from env_servers.envs.aviary_registry import (
         AviaryDatasetSource,
         AviaryEnvironmentSource,
         aviary_names,
     )
-    from aviary.env import ENV_REGISTRY, TASK_DATASET_REGISTRY
 
     if name in TASK_DATASET_REGISTRY:
         return AviaryDatasetSource(name, options)

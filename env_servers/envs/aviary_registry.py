@@ -37,9 +37,7 @@ class AviaryDatasetSource(EnvironmentSource):
     def _dataset(self, split: str) -> TaskDataset:
         if split not in self._datasets:
             split_kwargs = {} if split == DEFAULT_SPLIT else {"split": split}
-            self._datasets[split] = TaskDataset.from_name(
-                self.name, **split_kwargs, **self._kwargs
-            )
+            self._datasets[split] = TaskDataset.from_name(self.name, **split_kwargs, **self._kwargs)
         return self._datasets[split]
 
     @property
@@ -81,9 +79,7 @@ class AviaryEnvironmentSource(EnvironmentSource):
 
     def __init__(self, name: str, options: Mapping[str, str]) -> None:
         if options:
-            raise ValueError(
-                f"Aviary environment {name!r} takes no options, got {sorted(options)}"
-            )
+            raise ValueError(f"Aviary environment {name!r} takes no options, got {sorted(options)}")
         self.name = name
         self.description = f"Aviary environment {name!r} (Environment.from_name); inline tasks only"
 
@@ -99,7 +95,9 @@ class AviaryEnvironmentSource(EnvironmentSource):
         try:
             return Environment.from_name(self.name, task=task["question"])
         except NotImplementedError as exc:
-            raise ValueError(f"Aviary environment {self.name!r} cannot be built from a task text") from exc
+            raise ValueError(
+                f"Aviary environment {self.name!r} cannot be built from a task text"
+            ) from exc
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         raise AssertionError("check_task rejects every split of a source without splits")

@@ -164,9 +164,7 @@ class NotebookSource(EnvironmentSource):
         return self._env(self._tasks[split][index])
 
     async def make_inline(self, task: dict[str, str]) -> DataAnalysisEnv:
-        require_fields(
-            self.name, task, {"question", "answer", "dataset"}, frozenset({"tolerance"})
-        )
+        require_fields(self.name, task, {"question", "answer", "dataset"}, frozenset({"tolerance"}))
         dataset_dir = self.options.data_dir / task["dataset"]
         datasets = sorted(p.name for p in self.options.data_dir.iterdir() if p.is_dir())
         if task["dataset"] not in datasets:
@@ -188,8 +186,12 @@ class NotebookSource(EnvironmentSource):
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         task = self._tasks[split][index]
-        return {"id": task.id, "question": task.question, "answer": task.answer,
-                "files": json.dumps(task.files)}
+        return {
+            "id": task.id,
+            "question": task.question,
+            "answer": task.answer,
+            "files": json.dumps(task.files),
+        }
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

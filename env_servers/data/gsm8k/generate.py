@@ -16,10 +16,40 @@ SEED = 20240611
 TRAIN_SIZE = 250
 TEST_SIZE = 60
 
-NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonah",
-         "Keiko", "Liam", "Maya", "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara"]
-ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards",
-         "stamps", "beads"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonah",
+    "Keiko",
+    "Liam",
+    "Maya",
+    "Noor",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+]
+ITEMS = [
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "cookies",
+    "books",
+    "shells",
+    "cards",
+    "stamps",
+    "beads",
+]
 
 Problem = tuple[str, list[str], int]  # question, reasoning lines, final answer
 
@@ -35,10 +65,14 @@ def buy_and_change(rng: random.Random) -> Problem:
     cost = count * price
     paid = (cost // 10 + rng.randint(1, 5)) * 10
     change = paid - cost
-    question = (f"{name} buys {count} {item} that cost ${price} each and pays with ${paid}. "
-                f"How much change, in dollars, does {name} get back?")
-    steps = [f"The {item} cost {_calc(f'{count}*{price}', cost)} dollars.",
-             f"The change is {_calc(f'{paid}-{cost}', change)} dollars."]
+    question = (
+        f"{name} buys {count} {item} that cost ${price} each and pays with ${paid}. "
+        f"How much change, in dollars, does {name} get back?"
+    )
+    steps = [
+        f"The {item} cost {_calc(f'{count}*{price}', cost)} dollars.",
+        f"The change is {_calc(f'{paid}-{cost}', change)} dollars.",
+    ]
     return question, steps, change
 
 
@@ -46,11 +80,15 @@ def share_equally(rng: random.Random) -> Problem:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each, kept = rng.randint(2, 8), rng.randint(3, 15), rng.randint(1, 10)
     total = friends * each + kept
-    question = (f"{name} has {total} {item}. {name} keeps {kept} and shares the rest equally "
-                f"among {friends} friends. How many {item} does each friend get?")
+    question = (
+        f"{name} has {total} {item}. {name} keeps {kept} and shares the rest equally "
+        f"among {friends} friends. How many {item} does each friend get?"
+    )
     shared = total - kept
-    steps = [f"{name} shares {_calc(f'{total}-{kept}', shared)} {item}.",
-             f"Each friend gets {_calc(f'{shared}/{friends}', each)} {item}."]
+    steps = [
+        f"{name} shares {_calc(f'{total}-{kept}', shared)} {item}.",
+        f"Each friend gets {_calc(f'{shared}/{friends}', each)} {item}.",
+    ]
     return question, steps, each
 
 
@@ -60,10 +98,14 @@ def weekly_savings(rng: random.Random) -> Problem:
     saved = per_week * weeks
     spent = rng.randint(1, min(30, saved - 1))
     left = saved - spent
-    question = (f"{name} saves ${per_week} every week for {weeks} weeks, then spends ${spent} "
-                f"on a gift. How many dollars does {name} have left?")
-    steps = [f"{name} saves {_calc(f'{per_week}*{weeks}', saved)} dollars.",
-             f"After the gift {name} has {_calc(f'{saved}-{spent}', left)} dollars."]
+    question = (
+        f"{name} saves ${per_week} every week for {weeks} weeks, then spends ${spent} "
+        f"on a gift. How many dollars does {name} have left?"
+    )
+    steps = [
+        f"{name} saves {_calc(f'{per_week}*{weeks}', saved)} dollars.",
+        f"After the gift {name} has {_calc(f'{saved}-{spent}', left)} dollars.",
+    ]
     return question, steps, left
 
 
@@ -72,10 +114,14 @@ def rectangle_area(rng: random.Random) -> Problem:
     price = rng.randint(2, 12)
     area = width * length
     cost = area * price
-    question = (f"A garden is {width} meters wide and {length} meters long. Sod costs ${price} "
-                f"per square meter. How many dollars does it cost to cover the whole garden?")
-    steps = [f"The area is {_calc(f'{width}*{length}', area)} square meters.",
-             f"The sod costs {_calc(f'{area}*{price}', cost)} dollars."]
+    question = (
+        f"A garden is {width} meters wide and {length} meters long. Sod costs ${price} "
+        f"per square meter. How many dollars does it cost to cover the whole garden?"
+    )
+    steps = [
+        f"The area is {_calc(f'{width}*{length}', area)} square meters.",
+        f"The sod costs {_calc(f'{area}*{price}', cost)} dollars.",
+    ]
     return question, steps, cost
 
 
@@ -84,10 +130,14 @@ def speed_distance(rng: random.Random) -> Problem:
     speed, hours, extra = rng.randint(20, 90), rng.randint(2, 6), rng.randint(5, 60)
     first = speed * hours
     total = first + extra
-    question = (f"{name} drives at {speed} km per hour for {hours} hours and then drives another "
-                f"{extra} km. How many kilometers does {name} drive in total?")
-    steps = [f"In {hours} hours {name} drives {_calc(f'{speed}*{hours}', first)} km.",
-             f"In total {name} drives {_calc(f'{first}+{extra}', total)} km."]
+    question = (
+        f"{name} drives at {speed} km per hour for {hours} hours and then drives another "
+        f"{extra} km. How many kilometers does {name} drive in total?"
+    )
+    steps = [
+        f"In {hours} hours {name} drives {_calc(f'{speed}*{hours}', first)} km.",
+        f"In total {name} drives {_calc(f'{first}+{extra}', total)} km.",
+    ]
     return question, steps, total
 
 
@@ -97,10 +147,14 @@ def percent_discount(rng: random.Random) -> Problem:
     percent = rng.choice([10, 20, 25, 30, 50])
     discount = price * percent // 100
     final = price - discount
-    question = (f"A {item} costs ${price}. It is on sale for {percent}% off. "
-                f"What is the sale price in dollars?")
-    steps = [f"The discount is {_calc(f'{price}*{percent}/100', discount)} dollars.",
-             f"The sale price is {_calc(f'{price}-{discount}', final)} dollars."]
+    question = (
+        f"A {item} costs ${price}. It is on sale for {percent}% off. "
+        f"What is the sale price in dollars?"
+    )
+    steps = [
+        f"The discount is {_calc(f'{price}*{percent}/100', discount)} dollars.",
+        f"The sale price is {_calc(f'{price}-{discount}', final)} dollars.",
+    ]
     return question, steps, final
 
 
@@ -109,10 +163,14 @@ def age_puzzle(rng: random.Random) -> Problem:
     age, factor, years = rng.randint(3, 15), rng.randint(2, 4), rng.randint(2, 10)
     parent_age = age * factor
     future = parent_age + years
-    question = (f"{child} is {age} years old. {parent} is {factor} times as old as {child}. "
-                f"How old will {parent} be in {years} years?")
-    steps = [f"{parent} is {_calc(f'{age}*{factor}', parent_age)} years old now.",
-             f"In {years} years {parent} will be {_calc(f'{parent_age}+{years}', future)}."]
+    question = (
+        f"{child} is {age} years old. {parent} is {factor} times as old as {child}. "
+        f"How old will {parent} be in {years} years?"
+    )
+    steps = [
+        f"{parent} is {_calc(f'{age}*{factor}', parent_age)} years old now.",
+        f"In {years} years {parent} will be {_calc(f'{parent_age}+{years}', future)}.",
+    ]
     return question, steps, future
 
 
@@ -122,10 +180,14 @@ def boxes_and_leftovers(rng: random.Random) -> Problem:
     total = boxes * per_box
     sold = min(sold, total - 1)
     left = total - sold
-    question = (f"A shop receives {boxes} boxes with {per_box} {item} in each box. It sells "
-                f"{sold} {item}. How many {item} are left?")
-    steps = [f"The shop receives {_calc(f'{boxes}*{per_box}', total)} {item}.",
-             f"It has {_calc(f'{total}-{sold}', left)} {item} left."]
+    question = (
+        f"A shop receives {boxes} boxes with {per_box} {item} in each box. It sells "
+        f"{sold} {item}. How many {item} are left?"
+    )
+    steps = [
+        f"The shop receives {_calc(f'{boxes}*{per_box}', total)} {item}.",
+        f"It has {_calc(f'{total}-{sold}', left)} {item} left.",
+    ]
     return question, steps, left
 
 
@@ -136,30 +198,44 @@ def three_day_total(rng: random.Random) -> Problem:
     wednesday_factor = 2
     wednesday = tuesday * wednesday_factor
     total = monday + tuesday + wednesday
-    question = (f"{name} reads {monday} pages on Monday, {tuesday - monday} more pages on Tuesday "
-                f"than on Monday, and twice as many pages on Wednesday as on Tuesday. How many "
-                f"pages does {name} read in the three days?")
-    steps = [f"On Tuesday {name} reads {_calc(f'{monday}+{tuesday - monday}', tuesday)} pages.",
-             f"On Wednesday {name} reads {_calc(f'{tuesday}*{wednesday_factor}', wednesday)}.",
-             f"In total {_calc(f'{monday}+{tuesday}+{wednesday}', total)} pages."]
+    question = (
+        f"{name} reads {monday} pages on Monday, {tuesday - monday} more pages on Tuesday "
+        f"than on Monday, and twice as many pages on Wednesday as on Tuesday. How many "
+        f"pages does {name} read in the three days?"
+    )
+    steps = [
+        f"On Tuesday {name} reads {_calc(f'{monday}+{tuesday - monday}', tuesday)} pages.",
+        f"On Wednesday {name} reads {_calc(f'{tuesday}*{wednesday_factor}', wednesday)}.",
+        f"In total {_calc(f'{monday}+{tuesday}+{wednesday}', total)} pages.",
+    ]
     return question, steps, total
 
 
 def hourly_wage(rng: random.Random) -> Problem:
     name = rng.choice(NAMES)
-    wage, hours, overtime, bonus = (rng.randint(10, 30), rng.randint(10, 40),
-                                    rng.randint(1, 8), rng.randint(0, 5) * 10)
+    wage, hours, overtime, bonus = (
+        rng.randint(10, 30),
+        rng.randint(10, 40),
+        rng.randint(1, 8),
+        rng.randint(0, 5) * 10,
+    )
     overtime_wage = wage * 2
     base = wage * hours
     extra = overtime_wage * overtime
     total = base + extra + bonus
-    question = (f"{name} earns ${wage} per hour and double that for overtime. This week {name} "
-                f"worked {hours} regular hours and {overtime} overtime hours and got a ${bonus} "
-                f"bonus. How many dollars did {name} earn this week?")
-    steps = [f"Regular pay is {_calc(f'{wage}*{hours}', base)} dollars.",
-             f"Overtime pays {_calc(f'{wage}*2', overtime_wage)} per hour, so "
-             f"{_calc(f'{overtime_wage}*{overtime}', extra)} dollars.",
-             f"Total pay is {_calc(f'{base}+{extra}+{bonus}', total)} dollars."]
+    question = (
+        f"{name} earns ${wage} per hour and double that for overtime. This week {name} "
+        f"worked {hours} regular hours and {overtime} overtime hours and got a ${bonus} "
+        f"bonus. How many dollars did {name} earn this week?"
+    )
+    steps = [
+        f"Regular pay is {_calc(f'{wage}*{hours}', base)} dollars.",
+        (
+            f"Overtime pays {_calc(f'{wage}*2', overtime_wage)} per hour, so "
+            f"{_calc(f'{overtime_wage}*{overtime}', extra)} dollars."
+        ),
+        f"Total pay is {_calc(f'{base}+{extra}+{bonus}', total)} dollars.",
+    ]
     return question, steps, total
 
 
@@ -168,16 +244,28 @@ def recipe_scaling(rng: random.Random) -> Problem:
     factor = rng.randint(2, 5)
     new_servings = servings * factor
     flour = flour_per * servings * factor
-    question = (f"A recipe for {servings} servings uses {flour_per * servings} grams of flour. "
-                f"How many grams of flour are needed for {new_servings} servings?")
-    steps = [f"The recipe is scaled by {_calc(f'{new_servings}/{servings}', factor)}.",
-             f"The flour needed is {_calc(f'{flour_per * servings}*{factor}', flour)} grams."]
+    question = (
+        f"A recipe for {servings} servings uses {flour_per * servings} grams of flour. "
+        f"How many grams of flour are needed for {new_servings} servings?"
+    )
+    steps = [
+        f"The recipe is scaled by {_calc(f'{new_servings}/{servings}', factor)}.",
+        f"The flour needed is {_calc(f'{flour_per * servings}*{factor}', flour)} grams.",
+    ]
     return question, steps, flour
 
 
 TEMPLATES: list[Callable[[random.Random], Problem]] = [
-    buy_and_change, share_equally, weekly_savings, rectangle_area, speed_distance,
-    percent_discount, age_puzzle, boxes_and_leftovers, three_day_total, hourly_wage,
+    buy_and_change,
+    share_equally,
+    weekly_savings,
+    rectangle_area,
+    speed_distance,
+    percent_discount,
+    age_puzzle,
+    boxes_and_leftovers,
+    three_day_total,
+    hourly_wage,
     recipe_scaling,
 ]
 
