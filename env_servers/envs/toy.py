@@ -9,7 +9,7 @@ import random
 import string
 from collections.abc import Sequence
 
-from aviary.core import Environment, Message, Messages, Tool, ToolRequestMessage
+from aviary.core import Environment, Message, Messages, TaskDataset, Tool, ToolRequestMessage
 from pydantic import BaseModel, ConfigDict
 
 from env_servers.envs.source import (
@@ -97,6 +97,21 @@ class DigitsEnv(Environment[DigitsState]):
         return f"Reply scored: digit fraction {digit_fraction(answer):.3f}."
 
 
+class DigitsTaskDataset(TaskDataset[DigitsEnv]):
+    """One split of the toy tasks as an Aviary TaskDataset (so Aviary's own servers can host it)."""
+
+    def __init__(self, split: str) -> None:
+        if split not in SPLIT_SIZES:
+            raise KeyError(f"toy has no split {split!r}; its splits are {sorted(SPLIT_SIZES)}")
+        self.split = split
+
+    def __len__(self) -> int:
+        return SPLIT_SIZES[self.split]
+
+    def get_new_env_by_idx(self, idx: int) -> DigitsEnv:
+        return DigitsEnv(task_prompt(self.split, idx))
+
+
 class ToyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -116,7 +131,7 @@ class ToySource(EnvironmentSource):
         return dict(SPLIT_SIZES)
 
     async def _make_checked(self, split: str, index: int) -> DigitsEnv:
-        return DigitsEnv(task_prompt(split, index))
+        return DigitsTaskDataset(split).get_new_env_by_idx(index)
 
     async def make_inline(self, task: dict[str, str]) -> DigitsEnv:
         require_fields(self.name, task, {"question"})

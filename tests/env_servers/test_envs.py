@@ -16,6 +16,7 @@ from env_servers.catalog import (
     load_source,
     reward_components,
 )
+from env_servers.envs.toy import DigitsTaskDataset
 
 
 def call(tool: str, **arguments: object) -> ToolRequestMessage:
@@ -205,6 +206,11 @@ def test_toy_tasks_are_fixed_and_varied() -> None:
     prompts = [source.task_summary("train", i)["question"] for i in range(512)]
     assert prompts == [load_source("toy").task_summary("train", i)["question"] for i in range(512)]
     assert len(set(prompts)) > 300
+    dataset = DigitsTaskDataset("train")  # the same tasks as an Aviary TaskDataset
+    assert len(dataset) == 512
+    assert dataset.get_new_env_by_idx(5).prompt == prompts[5]
+    with pytest.raises(KeyError, match="no split 'dev'"):
+        DigitsTaskDataset("dev")
 
 
 # ---------------------------------------------------------------- catalog
