@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 READY = re.compile(r"SCIPROTO_READY (\S+) port=(\d+)")
 
@@ -65,20 +66,26 @@ def sciproto_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "sciproto", *args]
 
 
-def start_server(
-    args: Sequence[str],
+def start_server(args: Sequence[str], **options: Any) -> ServerProcess:
+    """Run `sciproto ARGS` (e.g. ["serve", "env", "--port", "0"]) and return
+    once it listens; options as for `start_command`."""
+    return start_command(sciproto_command(*args), **options)
+
+
+def start_command(
+    command: Sequence[str],
     *,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     log_file: Path | None = None,
 ) -> ServerProcess:
-    """Run `sciproto ARGS` (e.g. ["serve", "env", "--port", "0"]) and return
-    once it prints its SCIPROTO_READY line. Output is kept (last 200 lines)
-    and, when `log_file` is given, copied there."""
+    """Run a server command and return once it prints its SCIPROTO_READY
+    line. Output is kept (last 200 lines) and, when `log_file` is given,
+    copied there."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True", **(env or {})}
     process = subprocess.Popen(
-        sciproto_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=full_env, cwd=cwd, start_new_session=True,
     )
     output: deque[str] = deque(maxlen=200)
@@ -101,14 +108,15 @@ def start_server(
             sink.close()
         announced.set()
 
-    threading.Thread(target=pump, name=f"output:{' '.join(args[:2])}", daemon=True).start()
+    shown = " ".join(command[2:5])
+    threading.Thread(target=pump, name=f"output:{shown}", daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not announced.wait(0.1):
         if time.monotonic() > deadline:
             process.kill()
-            raise ServerStartError(f"`sciproto {' '.join(args)}` did not announce a port within {timeout_s:.0f} s:\n"
+            raise ServerStartError(f"`{shown}` did not announce a port within {timeout_s:.0f} s:\n"
                                    + "\n".join(output))
     if "port" not in ready:
         process.wait(timeout=10)
-        raise ServerStartError(f"`sciproto {' '.join(args)}` exited with {process.returncode}:\n" + "\n".join(output))
+        raise ServerStartError(f"`{shown}` exited with {process.returncode}:\n" + "\n".join(output))
     return ServerProcess(component=ready["component"], process=process, port=int(ready["port"]), output=output)

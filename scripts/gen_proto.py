@@ -31,8 +31,11 @@ IMPORT_TO = "from sciproto._proto.sciproto.v1 import"
 def generate(out_dir: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "sciproto").rglob("*.proto"))
     well_known = Path(protoc.__file__).parent / "_proto"
+    plugins = Path(sys.executable).parent  # mypy-protobuf's plugins sit beside this interpreter
     args = [
         "protoc",
+        f"--plugin=protoc-gen-mypy={plugins / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={plugins / 'protoc-gen-mypy_grpc'}",
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
         f"--python_out={out_dir}",
