@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ def require_fp8_hardware() -> None:
         )
 
 
-def _import_torchao_float8():  # noqa: ANN202 - returns the torchao module's two entry points
+def _import_torchao_float8() -> tuple[type, Callable[..., nn.Module]]:
     # torchao logs a warning for each optional CUDA kernel library it cannot load; float8
     # training does not use them (its matmul is torch._scaled_mm).
     logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -72,9 +73,7 @@ def convert_to_fp8(model: nn.Module, *, emulate: bool = False) -> nn.Module:
     if not emulate:
         require_fp8_hardware()
     float8_config_type, convert = _import_torchao_float8()
-    config = dataclasses.replace(
-        float8_config_type.from_recipe_name("rowwise"), emulate=emulate
-    )
+    config = dataclasses.replace(float8_config_type.from_recipe_name("rowwise"), emulate=emulate)
     converted = convert(model, module_filter_fn=is_fp8_eligible, config=config)
     if count_fp8_linears(converted) == 0:
         raise ValueError(

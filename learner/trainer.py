@@ -71,8 +71,12 @@ def _reward_stats(rewards: list[float]) -> dict[str, float]:
         return {}
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    return {"reward_mean": mean, "reward_std": std, "reward_min": min(rewards),
-            "reward_max": max(rewards)}
+    return {
+        "reward_mean": mean,
+        "reward_std": std,
+        "reward_min": min(rewards),
+        "reward_max": max(rewards),
+    }
 
 
 class GRPOTrainer:

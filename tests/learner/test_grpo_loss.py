@@ -47,8 +47,12 @@ def test_groups_without_signal_are_counted_and_skipped(rng: random.Random) -> No
 
 
 def test_infra_errors_are_masked_never_scored_zero(rng: random.Random) -> None:
-    statuses = [RewardStatus.SCORED, RewardStatus.SCORED, RewardStatus.INFRA_ERROR,
-                RewardStatus.UNSCORED]
+    statuses = [
+        RewardStatus.SCORED,
+        RewardStatus.SCORED,
+        RewardStatus.INFRA_ERROR,
+        RewardStatus.UNSCORED,
+    ]
     group = make_group(rng, [1.0, 0.0, 0.0, 0.0], statuses=statuses)
     plan = prepare_batch([group], GRPOConfig(adv_eps=1e-9))
     # Only the two scored samples train; read as a 0 reward the failure would shift the mean.
@@ -226,5 +230,10 @@ def test_push_weights_are_named_like_the_model(groups: list[RolloutGroup]) -> No
 
 def test_misaligned_sample_is_rejected() -> None:
     with pytest.raises(ValueError, match="aligned with token_ids"):
-        TrainSample(token_ids=[1, 2, 3], loss_mask=[0, 1], rollout_logprobs=[0, 0, 0],
-                    policy_versions=[-1, 0, 0], reward=1.0)
+        TrainSample(
+            token_ids=[1, 2, 3],
+            loss_mask=[0, 1],
+            rollout_logprobs=[0, 0, 0],
+            policy_versions=[-1, 0, 0],
+            reward=1.0,
+        )
