@@ -38,6 +38,7 @@ class Reason(enum.StrEnum):
     INVALID_WEIGHTS = "INVALID_WEIGHTS"  # manifest does not match the model
     WEIGHTS_INCOMPLETE = "WEIGHTS_INCOMPLETE"  # stream ended before total_bytes
     STALE_VERSION = "STALE_VERSION"  # update would not move the version forward
+    UPDATE_IN_PROGRESS = "UPDATE_IN_PROGRESS"  # another weight update is being received or applied
     UNSUPPORTED = "UNSUPPORTED"  # the backend lacks this capability
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     DUPLICATE_REQUEST = "DUPLICATE_REQUEST"

@@ -1,0 +1,148 @@
+"""Async client of PolicyService: Describe, streaming Generate, and pushing weights.
+
+    async with PolicyClient("127.0.0.1:50052") as policy:
+        group = await policy.generate_group(generate_request(prompt_token_ids=[1, 2, 3], n=4))
+        await policy.push_weights(model.state_dict(), version=1)
+
+Failures surface as `sciproto.errors.SciprotoError` subclasses carrying the server's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from policy_server.weights_stream import MiB, chunks_of, header_for
+from sciproto.channel import ChannelConfig, make_channel
+from sciproto.errors import from_rpc_error
+from sciproto.pb import common_pb2, policy_grpc, policy_pb2
+
+
+def generate_request(
+    *,
+    messages: Sequence[common_pb2.ChatMessage] = (),
+    tools: Sequence[common_pb2.ToolSpec] = (),
+    previous_token_ids: Sequence[int] = (),
+    prompt_token_ids: Sequence[int] = (),
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_tokens: int = 0,
+    stop: Sequence[str] = (),
+    seed: int | None = None,
+    n: int = 1,
+    request_id: str = "",
+) -> policy_pb2.GenerateRequest:
+    """A GenerateRequest from chat `messages` (+ tools, previous turn's ids) or `prompt_token_ids`.
+    None leaves temperature / top_p / seed unset (the server's defaults: 1.0, 1.0, its choice)."""
+    if bool(messages) == bool(prompt_token_ids):
+        raise ValueError("give either messages or prompt_token_ids, not both and not neither")
+    sampling = policy_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                         stop=list(stop), seed=seed)
+    request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n)
+    if messages:
+        request.chat.CopyFrom(policy_pb2.ChatPrompt(messages=messages, tools=tools,
+                                                    previous_token_ids=previous_token_ids))
+    else:
+        request.tokens.CopyFrom(policy_pb2.TokenPrompt(token_ids=prompt_token_ids))
+    return request
+
+
+@dataclass
+class GenerationGroup:
+    """The outcome of one Generate call: the prompt as the model saw it and its n samples."""
+
+    prompt_token_ids: list[int]
+    policy_version: int  # at the start of sampling; each sample's version_spans are exact
+    samples: list[policy_pb2.GenerateSample]  # ordered by sample_index
+
+
+class PolicyClient:
+    """A client of one policy server. Built from a channel it does not own, or from a
+    ChannelConfig / "HOST:PORT" whose channel it opens and closes."""
+
+    def __init__(self, channel_or_config: grpc.aio.Channel | ChannelConfig | str) -> None:
+        self._owns_channel = not isinstance(channel_or_config, grpc.aio.Channel)
+        self.channel = make_channel(channel_or_config) if self._owns_channel else channel_or_config
+        self._stub = policy_grpc.PolicyServiceStub(self.channel)
+
+    async def __aenter__(self) -> PolicyClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self.channel.close()
+
+    async def describe(self, timeout_s: float | None = None) -> policy_pb2.PolicyServiceDescribeResponse:
+        try:
+            return await self._stub.Describe(policy_pb2.PolicyServiceDescribeRequest(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+
+    async def generate(self, request: policy_pb2.GenerateRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[policy_pb2.GenerateResponse]:
+        """The stream's events: the prompt, deltas, one sample per n. Leaving the loop early
+        cancels the call, and the server stops sampling for it."""
+        call = self._stub.Generate(request, timeout=timeout_s)
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+    async def generate_group(self, request: policy_pb2.GenerateRequest,
+                             timeout_s: float | None = None) -> GenerationGroup:
+        """Run one Generate to the end and collect its prompt and samples."""
+        prompt: policy_pb2.GeneratePrompt | None = None
+        samples: list[policy_pb2.GenerateSample] = []
+        async for event in self.generate(request, timeout_s):
+            kind = event.WhichOneof("event")
+            if kind == "prompt":
+                prompt = event.prompt
+            elif kind == "sample":
+                samples.append(event.sample)
+        if prompt is None:
+            raise RuntimeError("the Generate stream ended without its prompt event; is the server a sciproto "
+                               "policy server?")
+        samples.sort(key=lambda sample: sample.sample_index)
+        return GenerationGroup(list(prompt.token_ids), prompt.policy_version, samples)
+
+    async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                           chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,
+                           request_id: str = "") -> policy_pb2.UpdateWeightsResponse:
+        """Send every tensor of `state_dict` (the model's full parameter set, in any order) as
+        policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
+        copied whole."""
+        header = header_for(state_dict, version, request_id)
+
+        async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest]:
+            yield policy_pb2.UpdateWeightsRequest(header=header)
+            for chunk in chunks_of(state_dict, chunk_bytes):
+                yield policy_pb2.UpdateWeightsRequest(data=chunk)
+
+        try:
+            return await self._stub.UpdateWeights(messages(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+
+
+async def push_weights_to_all(clients: Iterable[PolicyClient], state_dict: Mapping[str, torch.Tensor],
+                              version: int, chunk_bytes: int = 4 * MiB,
+                              timeout_s: float | None = None) -> list[policy_pb2.UpdateWeightsResponse]:
+    """Push the same weights to several servers concurrently; raises the first failure after all
+    pushes have ended (a server that failed keeps its old weights)."""
+    results = await asyncio.gather(
+        *(client.push_weights(state_dict, version, chunk_bytes, timeout_s) for client in clients),
+        return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)  # type: ignore[arg-type]

@@ -1,0 +1,73 @@
+"""`sciproto serve policy`: load the model, start PolicyService, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+from collections.abc import Sequence
+
+import torch
+import yaml
+
+from policy_server.backends.base import PolicyBackend
+from policy_server.config import PolicyServerConfig
+from policy_server.service import PolicyServicer, PromptTokenizer
+from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.pb import POLICY_SERVICE, policy_grpc
+from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+
+log = logging.getLogger("policy_server")
+
+# Backends other than `transformers` pull in heavy optional packages: imported only when chosen.
+# Each module offers `build_backend(config: PolicyServerConfig) -> PolicyBackend` whose backend
+# also has `prompt_token_ids(request) -> list[int]`.
+_OPTIONAL_BACKENDS = {"vllm": "policy_server.backends.vllm_backend",
+                      "openai": "policy_server.backends.openai_backend"}
+
+
+def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> PolicyServerConfig:
+    """A policy config file, or the `policy:` section of a file that configures several components."""
+    section = None
+    if config is not None:
+        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
+        section = "policy" if isinstance(loaded, dict) and isinstance(loaded.get("policy"), dict) else None
+    return load_config(PolicyServerConfig, config, overrides, section=section)
+
+
+def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptTokenizer]:
+    """The configured backend, and how its prompts are turned into token ids."""
+    if config.backend == "transformers":
+        from policy_server.backends.transformers_backend import TransformersBackend
+        from policy_server.models import load_model
+        from policy_server.prompts import prompt_token_ids
+
+        options = config.transformers
+        loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
+        backend = TransformersBackend(loaded, batch_window_s=options.batch_window_s,
+                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval)
+        tokenize = functools.partial(prompt_token_ids, loaded.tokenizer, stop_token_ids=loaded.stop_token_ids)
+        return backend, tokenize
+    module_name = _OPTIONAL_BACKENDS[config.backend]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"backend {config.backend!r} is not available here ({error}); install the "
+                          f"sciproto[{config.backend}] extra or use backend=transformers") from error
+    backend = module.build_backend(config)
+    return backend, backend.prompt_token_ids
+
+
+async def serve(config: PolicyServerConfig) -> None:
+    backend, tokenize = build_backend(config)
+    servicer = PolicyServicer(backend, tokenize, config)
+    service = Service(POLICY_SERVICE, servicer, policy_grpc.add_PolicyServiceServicer_to_server)
+    running = await start_server(config.server, [service])
+    info = backend.info()
+    log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host, running.port)
+    await serve_until_signalled(running, on_ready=lambda port: announce_port("policy", port))
+
+
+def main(config: str | None, overrides: list[str]) -> None:
+    asyncio.run(serve(load_policy_config(config, overrides)))

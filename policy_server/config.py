@@ -1,0 +1,51 @@
+"""Configuration of a policy server process (`sciproto serve policy`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sciproto.server import ServerConfig
+
+
+class TransformersOptions(BaseModel):
+    """Settings of the `transformers` backend (dynamic batching over one in-process model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_window_s: float = Field(0.005, ge=0, description="How long an idle engine waits to batch arrivals")
+    max_batch_rows: int = Field(256, ge=1, description="Most samples decoded together")
+    stream_interval: int = Field(8, ge=1, description="Tokens a sample gathers before a delta goes out")
+    device: str = Field("cpu", description='Torch device of the model, e.g. "cpu" or "cuda:0"')
+
+
+class WeightUpdateOptions(BaseModel):
+    """Limits of UpdateWeights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait for the next message of an update stream before it is refused"
+    )
+
+
+class PolicyServerConfig(BaseModel):
+    """Everything a policy server process needs; `sciproto serve policy --set key=value` edits it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: str = Field("tiny", description='"tiny", "smollm2", or a local Hugging Face model directory')
+    backend: Literal["transformers", "vllm", "openai"] = "transformers"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = Field(0, description="Seed of the random `tiny` model's weights")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that leaves it 0")
+    max_samples_per_request: int = Field(64, ge=1, description="Largest n a Generate request may ask for")
+    transformers: TransformersOptions = Field(default_factory=TransformersOptions)
+    weights: WeightUpdateOptions = Field(default_factory=WeightUpdateOptions)
+    # Keyword arguments of the vllm / openai backend constructors, passed through as given.
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    openai: dict[str, Any] = Field(default_factory=dict)
+    # Placeholder for authentication settings (e.g. {"file": "roles.yaml"}); not enforced yet.
+    auth: dict[str, Any] | None = None

@@ -1,0 +1,155 @@
+"""PolicyService over gRPC: Describe, streaming Generate and chunked UpdateWeights, on top of any
+PolicyBackend.
+
+Generate: the prompt is tokenized here (so the GeneratePrompt event can go out first and a prompt
+longer than the context is refused before any work), then the backend samples from the token ids.
+A client that cancels or whose deadline passes cancels the handler, which closes the backend's
+iterator, which drops the request's rows from the running batch.
+
+UpdateWeights: one update at a time; a second one that arrives while another is being received
+or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry
+hint) rather than queued, so a sender learns immediately that two writers target this server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from policy_server import convert
+from policy_server.backends.base import PolicyBackend
+from policy_server.config import PolicyServerConfig
+from policy_server.types import GenerationRequest, TokenDelta
+from policy_server.weights_stream import DTYPE_TO_PROTO, WeightsReceiver, check_header
+from sciproto.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Reason,
+    Unimplemented,
+)
+from sciproto.pb import common_pb2, policy_grpc, policy_pb2
+from sciproto.version import PROTOCOL_VERSION, __version__
+
+# Turns a chat or token request into the exact prompt ids the model will see.
+PromptTokenizer = Callable[[GenerationRequest], list[int]]
+
+CAPABILITIES = ["generate.chat", "generate.tokens", "generate.multi_turn_token_ids", "generate.n_samples"]
+WEIGHTS_CAPABILITY = "weights.grpc_chunks"
+
+
+class PolicyServicer(policy_grpc.PolicyServiceServicer):
+    def __init__(self, backend: PolicyBackend, tokenize: PromptTokenizer, config: PolicyServerConfig) -> None:
+        self._backend = backend
+        self._tokenize = tokenize
+        self._config = config
+        self._active: set[object] = set()  # one token per running Generate call
+        self._update_lock = asyncio.Lock()
+
+    # -- Describe ----------------------------------------------------------------------------------
+
+    async def Describe(self, request: policy_pb2.PolicyServiceDescribeRequest,
+                       context: grpc.aio.ServicerContext) -> policy_pb2.PolicyServiceDescribeResponse:
+        info = self._backend.info()
+        capabilities = CAPABILITIES + ([WEIGHTS_CAPABILITY] if info.supports_weight_updates else [])
+        server = common_pb2.ServerInfo(
+            protocol_version=PROTOCOL_VERSION, server_version=__version__, implementation="sciproto-policy",
+            capabilities=capabilities + [f"backend.{name}" for name in info.capabilities],
+            limits=self._config.server.message_limits(),
+        )
+        return policy_pb2.PolicyServiceDescribeResponse(
+            server=server, model=info.model, backend=info.backend,
+            dtype=DTYPE_TO_PROTO.get(info.dtype, policy_pb2.TENSOR_DTYPE_UNSPECIFIED),
+            quantization=info.quantization, max_context_tokens=info.max_context,
+            policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
+            active_requests=len(self._active),
+        )
+
+    # -- Generate ----------------------------------------------------------------------------------
+
+    async def Generate(self, request: policy_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[policy_pb2.GenerateResponse]:
+        backend_request = self._backend_request(request)
+        call = object()
+        self._active.add(call)
+        try:
+            yield convert.prompt_event(backend_request.prompt_token_ids, self._backend.info().policy_version)
+            async with contextlib.aclosing(self._backend.generate(backend_request)) as events:
+                async for event in events:
+                    yield convert.delta_event(event) if isinstance(event, TokenDelta) else convert.sample_event(event)
+        except ValueError as error:  # the backend refused the request before sampling
+            raise InvalidArgument(f"{error}", Reason.INVALID_REQUEST) from error
+        finally:
+            self._active.discard(call)
+
+    def _backend_request(self, request: policy_pb2.GenerateRequest) -> GenerationRequest:
+        """The request as prompt token ids, or InvalidArgument saying what to fix."""
+        max_samples = self._config.max_samples_per_request
+        try:
+            parsed = convert.generation_request(request, self._config.default_max_tokens, max_samples)
+            prompt = self._tokenize(parsed)
+        except ValueError as error:
+            raise InvalidArgument(f"{error}", Reason.INVALID_REQUEST) from error
+        max_context = self._backend.info().max_context
+        if len(prompt) >= max_context:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt)} tokens; the model's context holds {max_context} tokens of prompt "
+                "and completion together: shorten the conversation", Reason.PROMPT_TOO_LONG,
+                metadata={"prompt_tokens": str(len(prompt)), "max_context_tokens": str(max_context)})
+        return GenerationRequest(prompt_token_ids=prompt, sampling=parsed.sampling, request_id=parsed.request_id)
+
+    # -- UpdateWeights -----------------------------------------------------------------------------
+
+    async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest],
+                            context: grpc.aio.ServicerContext) -> policy_pb2.UpdateWeightsResponse:
+        if not self._backend.info().supports_weight_updates:
+            raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
+                                Reason.UNSUPPORTED)
+        first = await self._next_message(request_iterator)
+        if first is None or first.WhichOneof("chunk") != "header":
+            raise InvalidArgument("the first message of UpdateWeights must be the header", Reason.INVALID_REQUEST)
+        if self._update_lock.locked():
+            raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
+                                     "finished, and send updates to a server from one place only",
+                                     Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
+        async with self._update_lock:
+            header = first.header
+            specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
+            receiver = WeightsReceiver(specs)
+            while (message := await self._next_message(request_iterator)) is not None:
+                if message.WhichOneof("chunk") != "data":
+                    raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
+                                          "must be data chunks", Reason.INVALID_REQUEST)
+                receiver.write(message.data)
+            tensors = receiver.finish()
+            running_before = set(self._active)
+            start = time.perf_counter()
+            try:
+                await self._backend.update_weights(header.policy_version, tensors)
+            except ValueError as error:
+                raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
+            apply_seconds = time.perf_counter() - start
+            return policy_pb2.UpdateWeightsResponse(
+                policy_version=self._backend.info().policy_version,
+                bytes_received=receiver.received,
+                apply_seconds=apply_seconds,
+                # calls that were running before the swap and still are after it
+                requests_spanning_versions=len(running_before & self._active),
+            )
+
+    async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest]
+                            ) -> policy_pb2.UpdateWeightsRequest | None:
+        timeout = self._config.weights.chunk_timeout_s
+        try:
+            return await asyncio.wait_for(anext(requests, None), timeout)
+        except TimeoutError as error:
+            raise DeadlineExceeded(f"no UpdateWeights message arrived for {timeout:.0f} s; the update was "
+                                   "dropped and the old weights keep serving", Reason.WEIGHTS_INCOMPLETE) from error
+
+    async def aclose(self) -> None:
+        await self._backend.close()
+

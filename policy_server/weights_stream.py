@@ -1,0 +1,170 @@
+"""Weights as an UpdateWeights stream: a header (manifest) then raw little-endian bytes of every
+tensor, concatenated in manifest order and cut into chunks.
+
+Both ends live here: `header_for` and `chunks_of` on the sending side (no copy of the whole
+model is ever made: each chunk is copied once out of its tensor), `check_header` and
+`WeightsReceiver` on the receiving side (bytes land straight in preallocated tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from policy_server.types import TensorSpec, dtype_name
+from sciproto.errors import FailedPrecondition, InvalidArgument, Reason, Unimplemented
+from sciproto.pb import policy_pb2
+
+MiB = 1024 * 1024
+
+DTYPE_TO_PROTO: dict[str, int] = {
+    "float32": policy_pb2.TENSOR_DTYPE_FLOAT32,
+    "bfloat16": policy_pb2.TENSOR_DTYPE_BFLOAT16,
+    "float16": policy_pb2.TENSOR_DTYPE_FLOAT16,
+    "float8_e4m3fn": policy_pb2.TENSOR_DTYPE_FLOAT8_E4M3FN,
+    "int64": policy_pb2.TENSOR_DTYPE_INT64,
+}
+PROTO_TO_DTYPE = {number: name for name, number in DTYPE_TO_PROTO.items()}
+
+if sys.byteorder != "little":  # the wire format is little-endian and tensors are sent as they lie
+    raise ImportError("weight streaming needs a little-endian host")
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+
+
+def dtype_to_proto(dtype: str) -> int:
+    if dtype not in DTYPE_TO_PROTO:
+        raise ValueError(f"dtype {dtype} cannot travel in a weight update; use one of {sorted(DTYPE_TO_PROTO)}")
+    return DTYPE_TO_PROTO[dtype]
+
+
+# -- sending ------------------------------------------------------------------------------------
+
+
+def header_for(tensors: Mapping[str, torch.Tensor], version: int, request_id: str = "") -> policy_pb2.WeightsHeader:
+    specs = [policy_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=dtype_to_proto(dtype_name(t.dtype)))
+             for name, t in tensors.items()]
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return policy_pb2.WeightsHeader(request_id=request_id, policy_version=version, tensors=specs,
+                                    total_bytes=total, transport=policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes on the CPU, without a copy when it already is contiguous there."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def chunks_of(tensors: Mapping[str, torch.Tensor], chunk_bytes: int = 4 * MiB) -> Iterator[bytes]:
+    """The tensors' bytes in order, as chunks of exactly `chunk_bytes` (the last may be shorter).
+    Small tensors are packed together so a model with many norms still travels in few messages."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    pending = bytearray()
+    for tensor in tensors.values():
+        view = _byte_view(tensor)
+        position = 0
+        while position < len(view):
+            if not pending and len(view) - position >= chunk_bytes:
+                yield bytes(view[position : position + chunk_bytes])  # one copy, straight from the tensor
+                position += chunk_bytes
+                continue
+            take = min(chunk_bytes - len(pending), len(view) - position)
+            pending += view[position : position + take]
+            position += take
+            if len(pending) == chunk_bytes:
+                yield bytes(pending)
+                pending.clear()
+    if pending:
+        yield bytes(pending)
+
+
+# -- receiving ----------------------------------------------------------------------------------
+
+
+def check_header(header: policy_pb2.WeightsHeader, manifest: Sequence[TensorSpec],
+                 current_version: int) -> list[TensorSpec]:
+    """The header's tensors as specs, in stream order, after checking them against the model's
+    manifest; raises the error the client must see before any data is read."""
+    if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
+        raise Unimplemented("this server receives weights only as gRPC chunks; set transport to "
+                            "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
+    expected = {spec.name: spec for spec in manifest}
+    specs, seen = [], set()
+    for index, tensor in enumerate(header.tensors):
+        if tensor.name not in expected:
+            raise _bad_weights(f"tensor {tensor.name!r} (header.tensors[{index}]) is not a parameter of "
+                               "this model; send exactly the names of its manifest", tensor.name)
+        if tensor.name in seen:
+            raise _bad_weights(f"tensor {tensor.name!r} appears twice in the header", tensor.name)
+        seen.add(tensor.name)
+        want = expected[tensor.name]
+        if tuple(tensor.shape) != want.shape:
+            raise _bad_weights(f"tensor {tensor.name!r} has shape {tuple(tensor.shape)}; the model's is "
+                               f"{want.shape}", tensor.name)
+        dtype = PROTO_TO_DTYPE.get(tensor.dtype)
+        if dtype != want.dtype:
+            known = tensor.dtype in policy_pb2.TensorDtype.values()
+            got = policy_pb2.TensorDtype.Name(tensor.dtype) if known else str(tensor.dtype)
+            raise _bad_weights(f"tensor {tensor.name!r} has dtype {got}; the model holds it as {want.dtype} "
+                               f"({policy_pb2.TensorDtype.Name(dtype_to_proto(want.dtype))})", tensor.name)
+        specs.append(want)
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        raise _bad_weights(f"tensor {missing[0]!r} is missing from the header ({len(missing)} missing); an "
+                           "update must carry every parameter of the model", missing[0])
+    total = sum(spec_nbytes(spec) for spec in specs)
+    if header.total_bytes != total:
+        raise _bad_weights(f"header.total_bytes is {header.total_bytes} but the tensors it lists take {total} "
+                           "bytes", "")
+    if header.policy_version <= current_version:
+        raise FailedPrecondition(f"policy_version {header.policy_version} is not newer than the serving "
+                                 f"version {current_version}; send a greater version", Reason.STALE_VERSION,
+                                 metadata={"current_version": str(current_version)})
+    return specs
+
+
+def _bad_weights(message: str, tensor: str) -> InvalidArgument:
+    return InvalidArgument(message, Reason.INVALID_WEIGHTS, metadata={"tensor": tensor} if tensor else None)
+
+
+class WeightsReceiver:
+    """Preallocated tensors that the stream's chunks are copied into, in manifest order; a chunk
+    that crosses a tensor boundary is split, none is ever joined with another."""
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.tensors = {spec.name: torch.empty(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in specs}
+        self._views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in self.tensors.values()]
+        self.total_bytes = sum(len(view) for view in self._views)
+        self.received = 0
+        self._tensor = 0  # index of the tensor being filled
+        self._offset = 0  # bytes of it already filled
+
+    def write(self, chunk: bytes) -> None:
+        if self.received + len(chunk) > self.total_bytes:
+            raise InvalidArgument(
+                f"the stream carries more than header.total_bytes = {self.total_bytes} bytes "
+                f"(at least {self.received + len(chunk)}); send exactly the bytes of the listed tensors",
+                Reason.WEIGHTS_INCOMPLETE)
+        source, position = memoryview(chunk), 0
+        while position < len(source):
+            target = self._views[self._tensor]
+            take = min(len(target) - self._offset, len(source) - position)
+            target[self._offset : self._offset + take] = source[position : position + take]
+            position += take
+            self._offset += take
+            if self._offset == len(target):
+                self._tensor, self._offset = self._tensor + 1, 0
+        self.received += len(chunk)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if self.received != self.total_bytes:
+            raise InvalidArgument(
+                f"the stream ended after {self.received} of header.total_bytes = {self.total_bytes} bytes; "
+                "send every chunk before closing it", Reason.WEIGHTS_INCOMPLETE)
+        return self.tensors
