@@ -1,0 +1,36 @@
+"""The interface every policy backend implements; the gRPC service talks only to this."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from policy_server.types import BackendInfo, GenerationRequest, SampleResult, TensorSpec, TokenDelta
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    def info(self) -> BackendInfo:
+        """Model, backend, dtype, context, current policy version, capabilities."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | SampleResult]:
+        """TokenDeltas while sampling and one SampleResult per sample when it ends (samples of
+        one request may interleave). Bad requests raise ValueError before anything is yielded."""
+        ...
+
+    def weight_manifest(self) -> list[TensorSpec]:
+        """The tensors an update must carry, exactly."""
+        ...
+
+    async def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate against the manifest (a missing, extra, mis-shaped or mis-typed tensor raises
+        ValueError naming it, and nothing changes), then install the weights in place between
+        decode steps and make `version` the policy version."""
+        ...
+
+    async def close(self) -> None:
+        """Finish running samples with finish reason "abort" and release the model."""
+        ...

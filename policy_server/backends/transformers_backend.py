@@ -1,0 +1,449 @@
+"""The `transformers` backend: dynamic batching over one model, for CPU and small GPUs.
+
+One engine thread owns the model. Concurrent `generate` calls land in an inbox; when the engine is
+idle it waits `batch_window_s` for more to arrive, prefills them together and decodes all their
+samples in one batched loop over a shared KV cache. Calls that arrive while a batch is decoding
+are prefilled and merged into it between two decode steps. Weight updates are applied between
+decode steps too, so every token is sampled from exactly one policy version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import secrets
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from policy_server.backends.decode_batch import DecodeBatch
+from policy_server.backends.sampling import sample_next_tokens
+from policy_server.models import LoadedModel
+from policy_server.prompts import prompt_token_ids
+from policy_server.toolcalls import parse_completion
+from policy_server.types import (
+    BackendInfo,
+    FinishReason,
+    GenerationRequest,
+    SampleResult,
+    SamplingParams,
+    TensorSpec,
+    TokenDelta,
+    VersionSpan,
+    dtype_name,
+    validate_weight_update,
+)
+
+CAPABILITIES = ["chat", "prompt_token_ids", "tool_calls", "logprobs", "multi_turn_token_ids",
+                "n_samples", "seed", "stop_strings", "weight_updates", "version_spans"]
+
+
+@dataclass
+class _Job:
+    """One generate call: its prompt, and the queue its events go back to."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: bool = False
+
+
+@dataclass
+class _Row:
+    """One sample being decoded."""
+
+    job: _Job
+    sample_index: int
+    rng: random.Random
+    version_marks: list[tuple[int, int]]  # (token index, version from that token on)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    # incremental detokenization: text == decode(tokens[:read_offset]) over whole characters
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stop_checked_chars: int = 0
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclass
+class _WeightUpdate:
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+    done: Future
+
+
+_CLOSE = object()
+
+
+class TransformersBackend:
+    """PolicyBackend over a `LoadedModel`. `stream_interval` is how many tokens a sample gathers
+    before a TokenDelta goes out; `stall_timeout_s` bounds the wait for the next event."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        batch_window_s: float = 0.005,
+        max_batch_rows: int = 256,
+        stream_interval: int = 8,
+        stall_timeout_s: float = 600.0,
+    ) -> None:
+        if batch_window_s < 0 or max_batch_rows < 1 or stream_interval < 1 or stall_timeout_s <= 0:
+            raise ValueError(
+                "need batch_window_s >= 0, max_batch_rows >= 1, stream_interval >= 1, "
+                "stall_timeout_s > 0"
+            )
+        self._loaded = loaded
+        self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
+        self._batch_window_s = batch_window_s
+        self._max_batch_rows = max_batch_rows
+        self._stream_interval = stream_interval
+        self._stall_timeout_s = stall_timeout_s
+        self._stop_ids = loaded.stop_token_ids
+        self._pad_id = loaded.tokenizer.pad_token_id
+        self._manifest = [
+            TensorSpec(name, tuple(param.shape), dtype_name(param.dtype))
+            for name, param in self._model.named_parameters()
+        ]
+        self._parameters = dict(self._model.named_parameters())
+        self._version = 0
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[_Job] = []  # taken from the inbox, not yet prefilled
+        self._prefilling: list[_Job] = []  # admitted this step, rows not yet created
+        self._rows: list[_Row] = []
+        self._batch: DecodeBatch | None = None
+        self._next_tokens: torch.Tensor | None = None
+        self._engine_lock = threading.Lock()  # held while the model runs or weights change
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- PolicyBackend -------------------------------------------------------------------------
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(
+            model=self._loaded.name,
+            backend="transformers",
+            dtype=dtype_name(self._model.dtype),
+            quantization="",
+            max_context=self._loaded.max_context,
+            policy_version=self._version,
+            capabilities=list(CAPABILITIES),
+            supports_weight_updates=True,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | SampleResult]:
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        prompt = prompt_token_ids(self._tokenizer, request, self._stop_ids)
+        room = self._loaded.max_context - len(prompt)
+        if room < 1:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the model's context is {self._loaded.max_context}"
+            )
+        job = _Job(
+            prompt=prompt,
+            sampling=request.sampling,
+            max_new_tokens=min(request.sampling.max_tokens, room),
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+        )
+        self._start_engine()
+        self._inbox.put(job)
+        unfinished = request.sampling.n
+        try:
+            while unfinished:
+                event = await asyncio.wait_for(job.events.get(), self._stall_timeout_s)
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, SampleResult):
+                    unfinished -= 1
+                yield event
+        finally:
+            job.cancelled = unfinished > 0  # the caller left early: the engine drops its rows
+
+    def weight_manifest(self) -> list[TensorSpec]:
+        return list(self._manifest)
+
+    async def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        validate_weight_update(self._manifest, tensors)
+        if version <= self._version:
+            raise ValueError(f"version {version} is not newer than the serving version {self._version}")
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        update = _WeightUpdate(version, tensors, Future())
+        self._start_engine()
+        self._inbox.put(update)
+        await asyncio.wait_for(asyncio.wrap_future(update.done), self._stall_timeout_s)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._inbox.put(_CLOSE)
+            await asyncio.to_thread(self._thread.join, self._stall_timeout_s)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _start_engine(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="transformers-engine", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            commands = self._take_commands()
+            for command in commands:
+                if isinstance(command, _WeightUpdate):
+                    self._apply_weight_update(command)
+                elif command is not _CLOSE:
+                    self._waiting.append(command)
+            if _CLOSE in commands:
+                self._abort_everything()
+                return
+            try:
+                self._step()
+            except Exception as error:  # a failed forward fails its callers, not the engine
+                self._fail_everything(error)
+
+    def _take_commands(self) -> list:
+        """Everything in the inbox. When idle, block for the first command (polling so a closed
+        backend is noticed), then keep collecting for the batch window."""
+        commands = []
+        if not self._rows and not self._waiting:
+            while not commands:
+                try:
+                    commands.append(self._inbox.get(timeout=1.0))
+                except queue.Empty:
+                    if self._closed:
+                        return [_CLOSE]
+            deadline = time.monotonic() + self._batch_window_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    commands.append(self._inbox.get(timeout=remaining))
+                except queue.Empty:
+                    break
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply_weight_update(self, update: _WeightUpdate) -> None:
+        try:
+            with self._engine_lock, torch.no_grad():
+                for name, tensor in update.tensors.items():
+                    self._parameters[name].copy_(tensor)
+                self._version = update.version
+            for row in self._rows:
+                row.version_marks.append((len(row.tokens), update.version))
+        except Exception as error:
+            update.done.set_exception(error)
+        else:
+            update.done.set_result(None)
+
+    def _step(self) -> None:
+        """One decode step for the running rows, plus the prefill of waiting jobs that fit."""
+        self._drop_cancelled_rows()
+        joining = self._admit_waiting_jobs()
+        if not self._rows and not joining:
+            return
+        with self._engine_lock:
+            logits = []
+            if self._batch is not None:
+                logits.append(self._batch.decode(self._model, self._next_tokens))
+            if joining:
+                new_batch, new_logits = DecodeBatch.prefill(
+                    self._model, [job.prompt for job in joining], self._pad_id
+                )
+                # the n samples of a job share its prompt's prefill: repeat its cache rows n times
+                samples = torch.tensor([job.sampling.n for job in joining])
+                repeat = torch.arange(len(joining)).repeat_interleave(samples)
+                new_batch.select(repeat)
+                logits.append(new_logits[repeat.to(new_logits.device)])
+                if self._batch is None:
+                    self._batch = new_batch
+                else:
+                    self._batch.merge(new_batch)
+                for job in joining:
+                    self._rows.extend(self._new_rows(job))
+                self._prefilling = []
+            rows = self._rows
+            temperature = torch.tensor([row.job.sampling.temperature for row in rows])
+            top_p = torch.tensor([row.job.sampling.top_p for row in rows])
+            uniforms = torch.tensor([row.rng.random() for row in rows], dtype=torch.float64)
+            device = logits[0].device
+            tokens, logprobs = sample_next_tokens(
+                torch.cat(logits), temperature.to(device), top_p.to(device), uniforms.to(device)
+            )
+        self._consume(tokens, logprobs.tolist(), tokens.tolist())
+
+    def _admit_waiting_jobs(self) -> list[_Job]:
+        """Waiting jobs whose samples fit in the batch, in arrival order."""
+        joining, room = [], self._max_batch_rows - len(self._rows)
+        while self._waiting and (self._waiting[0].sampling.n <= room or not (self._rows or joining)):
+            job = self._waiting.pop(0)
+            if job.cancelled:
+                continue
+            joining.append(job)
+            room -= job.sampling.n
+        self._prefilling = joining
+        return joining
+
+    def _new_rows(self, job: _Job) -> list[_Row]:
+        seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(63)
+        return [
+            # each sample's own stream: the same (seed, index) draws the same numbers in any batch
+            _Row(job, index, random.Random(f"{seed}:{index}"), [(0, self._version)])
+            for index in range(job.sampling.n)
+        ]
+
+    def _consume(self, tokens: torch.Tensor, logprobs: list[float], token_list: list[int]) -> None:
+        """Append each row's token, finish rows that are done, stream deltas, shrink the batch."""
+        outbox: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        keep = []
+        for index, (row, token, logprob) in enumerate(zip(self._rows, token_list, logprobs)):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            finish, text = self._finish_reason(row, token)
+            if finish is None:
+                keep.append(index)
+                if len(row.tokens) - row.sent_tokens >= self._stream_interval:
+                    self._stream(row, outbox)
+            else:
+                self._finish(row, finish, text, outbox)
+        for loop, events in outbox.items():
+            loop.call_soon_threadsafe(_deliver, events)
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[index] for index in keep]
+            if keep:
+                kept = torch.tensor(keep)
+                self._batch.select(kept)
+                tokens = tokens[kept.to(tokens.device)]
+            else:
+                self._batch = None
+        self._next_tokens = tokens
+
+    def _finish_reason(self, row: _Row, token: int) -> tuple[FinishReason | None, str | None]:
+        """Why the row is done after `token` (None if it is not), and its final text if known."""
+        if token in self._stop_ids:
+            return FinishReason.STOP, None
+        stops = row.job.sampling.stop
+        if stops:
+            self._detokenize(row, len(row.tokens))
+            longest = max(map(len, stops))
+            window_start = max(0, row.stop_checked_chars - longest + 1)
+            hits = [found for stop in stops if (found := row.text.find(stop, window_start)) >= 0]
+            row.stop_checked_chars = len(row.text)
+            if hits:
+                return FinishReason.STOP, row.text[: min(hits)]
+        if len(row.tokens) >= row.job.max_new_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _detokenize(self, row: _Row, end: int) -> None:
+        """Extend row.text with tokens[read_offset:end], holding back a trailing partial UTF-8
+        character until the token that completes it arrives."""
+        decode = self._tokenizer.decode
+        before = decode(row.tokens[row.prefix_offset : row.read_offset])
+        after = decode(row.tokens[row.prefix_offset : end])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            row.text += after[len(before) :]
+            row.prefix_offset, row.read_offset = row.read_offset, end
+
+    def _stream(self, row: _Row, outbox: dict) -> None:
+        self._detokenize(row, len(row.tokens))
+        # text that may still turn out to be the start of a stop string is held back
+        held = max(map(len, row.job.sampling.stop), default=1) - 1
+        visible = max(row.sent_chars, len(row.text) - held)
+        self._send_delta(row, row.text[row.sent_chars : visible], outbox)
+        row.sent_chars = visible
+
+    def _send_delta(self, row: _Row, text: str, outbox: dict) -> None:
+        delta = TokenDelta(
+            row.sample_index, row.tokens[row.sent_tokens :], text, row.logprobs[row.sent_tokens :]
+        )
+        row.sent_tokens = len(row.tokens)
+        if delta.token_ids or delta.text:
+            outbox[row.job.loop].append((row.job.events, delta))
+
+    def _finish(self, row: _Row, reason: FinishReason, text: str | None, outbox: dict) -> None:
+        if text is None:
+            ends_with_stop_token = reason is FinishReason.STOP
+            text_tokens = row.tokens[:-1] if ends_with_stop_token else row.tokens
+            text = self._tokenizer.decode(text_tokens)
+        self._send_delta(row, text[row.sent_chars :], outbox)
+        outbox[row.job.loop].append((row.job.events, self._result(row, reason, text)))
+
+    def _result(self, row: _Row, reason: FinishReason, text: str) -> SampleResult:
+        parsed = parse_completion(text)
+        return SampleResult(
+            sample_index=row.sample_index,
+            prompt_token_ids=row.job.prompt,
+            completion_token_ids=row.tokens,
+            logprobs=row.logprobs,
+            finish_reason=reason,
+            text=text,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
+            malformed=parsed.malformed,
+            version_spans=_version_spans(row.version_marks, len(row.tokens)),
+        )
+
+    def _drop_cancelled_rows(self) -> None:
+        keep = [index for index, row in enumerate(self._rows) if not row.job.cancelled]
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[index] for index in keep]
+        if keep:
+            self._batch.select(torch.tensor(keep))
+            self._next_tokens = self._next_tokens[torch.tensor(keep, device=self._next_tokens.device)]
+        else:
+            self._batch, self._next_tokens = None, None
+
+    def _abort_everything(self) -> None:
+        outbox: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for row in self._rows:
+            text = self._tokenizer.decode(row.tokens)
+            outbox[row.job.loop].append((row.job.events, self._result(row, FinishReason.ABORT, text)))
+        for job in self._waiting:
+            error = RuntimeError("backend closed before the request started")
+            outbox[job.loop].append((job.events, error))
+        self._rows, self._waiting, self._batch = [], [], None
+        for loop, events in outbox.items():
+            loop.call_soon_threadsafe(_deliver, events)
+
+    def _fail_everything(self, error: Exception) -> None:
+        failed = [row.job for row in self._rows] + self._prefilling + self._waiting
+        jobs = {id(job): job for job in failed}
+        for job in jobs.values():
+            job.loop.call_soon_threadsafe(_deliver, [(job.events, error)])
+        self._rows, self._prefilling, self._waiting = [], [], []
+        self._batch, self._next_tokens = None, None
+
+
+def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
+    for target, event in events:
+        target.put_nowait(event)
+
+
+def _version_spans(marks: list[tuple[int, int]], length: int) -> list[VersionSpan]:
+    """[(start, version), ...] -> non-empty spans covering tokens [0, length)."""
+    ends = [start for start, _ in marks[1:]] + [length]
+    return [
+        VersionSpan(start, end, version)
+        for (start, version), end in zip(marks, ends)
+        if end > start
+    ]
+
+
