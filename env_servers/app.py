@@ -1,0 +1,69 @@
+"""`sciproto serve env`: load the configuration, load the environments, serve until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports aviary
+
+import yaml  # noqa: E402
+
+from env_servers.catalog import EnvironmentSource, load_source  # noqa: E402
+from env_servers.config import EnvServerConfig  # noqa: E402
+from env_servers.service import EnvironmentService  # noqa: E402
+from sciproto.config import ConfigError, load_config, resolve_path  # noqa: E402
+from sciproto.pb import ENV_SERVICE, env_grpc  # noqa: E402
+from sciproto.server import Service, announce_port, serve_until_signalled, start_server  # noqa: E402
+
+log = logging.getLogger("env_servers.app")
+
+SECTION = "env"  # in a config file shared by every component, the env server reads this section
+
+
+def load_settings(config: str | None, overrides: list[str]) -> EnvServerConfig:
+    """The configuration from `config` (a whole file for this server, or the `env` section of a
+    file for every component) and `key.path=value` overrides."""
+    section = None
+    if config is not None:
+        loaded = yaml.safe_load(resolve_path(config).read_text())
+        if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict):
+            section = SECTION
+    settings = load_config(EnvServerConfig, config, overrides, section=section)
+    if settings.auth is not None:
+        raise ConfigError(
+            f"authentication settings were given ({sorted(settings.auth)}) but this server does not"
+            " apply them yet; remove `auth` (and --auth) or run it behind an authenticating proxy")
+    return settings
+
+
+def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
+    sources = {}
+    for name in settings.envs:
+        try:
+            sources[name] = load_source(name, settings.env_options.get(name, {}))
+        except (ValueError, FileNotFoundError) as error:
+            raise ConfigError(f"environment {name!r} cannot be hosted: {error}") from error
+    return sources
+
+
+async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource]) -> None:
+    service = EnvironmentService(settings, sources)
+    service.start()
+    running = await start_server(
+        settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)])
+    log.info("hosting %s on %s:%d", ", ".join(sources), settings.server.host, running.port)
+    await serve_until_signalled(running, on_ready=lambda port: announce_port("env", port))
+
+
+def main(config: str | None, overrides: list[str]) -> None:
+    try:
+        settings = load_settings(config, overrides)
+        sources = load_sources(settings)
+    except ConfigError as error:
+        print(f"sciproto serve env: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    asyncio.run(serve(settings, sources))

@@ -1,0 +1,42 @@
+"""Configuration of the environment server: which environments it hosts, with what options, and
+the limits of its episode registry."""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from env_servers.catalog import builtin_names
+from sciproto.server import ServerConfig
+
+
+class EnvServerConfig(BaseModel):
+    """`sciproto serve env` settings; load with `sciproto.config.load_config(EnvServerConfig, ...)`."""
+
+    # Option values are text (as catalog sources take them); YAML numbers become strings.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    envs: list[str] = Field(default_factory=builtin_names, min_length=1,
+                            description="Environments to host: built-in names or names Aviary knows")
+    env_options: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="Per-environment source options, by environment name")
+    max_live_episodes: int = Field(1024, gt=0, description="Reset beyond this many open episodes is refused")
+    idle_ttl_s: float = Field(600.0, gt=0, description="An episode untouched this long is closed")
+    step_timeout_s: float = Field(120.0, gt=0, description="A Step (or Reset) running longer fails the episode")
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="Session heartbeat period while an operation runs")
+    idempotency_cache_size: int = Field(8192, gt=0, description="Results kept for retried request_ids")
+    retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay sent with a refused Reset")
+    auth: dict[str, Any] | None = Field(None, description="Authentication settings; None: no authentication")
+
+    @model_validator(mode="after")
+    def _options_name_hosted_envs(self) -> Self:
+        duplicates = sorted({name for name in self.envs if self.envs.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"envs lists {duplicates} more than once; name each environment once")
+        strays = sorted(self.env_options.keys() - set(self.envs))
+        if strays:
+            raise ValueError(f"env_options given for {strays}, which are not in envs {self.envs};"
+                             " add them to envs or remove their options")
+        return self

@@ -1,0 +1,187 @@
+"""Conversions between the wire types (ChatMessage, ToolCall, ToolSpec) and Aviary's.
+
+Actions are built explicitly: an assistant message with tool calls becomes a
+`ToolRequestMessage`, anything else a plain `Message`. (Validating a plain assistant reply through
+Aviary's message union would turn it into a `ToolRequestMessage` without calls, which GSM8K
+scores as a failed tool call.)
+
+A tool call the environment cannot run as written (unknown tool, arguments that are not a JSON
+object, arguments that do not match the tool's parameters) is renamed to Aviary's
+`INVALID_TOOL_NAME`, Aviary's marker for such calls, so that the environment answers it the way it
+answers any invalid call instead of raising; `explain_invalid_calls` then makes sure the agent
+reads why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from aviary.core import Message, Tool, ToolCall, ToolRequestMessage, ToolResponseMessage
+from aviary.tools.base import INVALID_TOOL_NAME, ToolCallFunction
+
+from sciproto.errors import InvalidArgument, Reason
+from sciproto.pb import common_pb2
+
+_ROLE_FROM_AVIARY = {
+    "system": common_pb2.ROLE_SYSTEM,
+    "user": common_pb2.ROLE_USER,
+    "assistant": common_pb2.ROLE_ASSISTANT,
+    "tool": common_pb2.ROLE_TOOL,
+    "function": common_pb2.ROLE_TOOL,
+}
+_ROLE_TO_AVIARY = {
+    common_pb2.ROLE_SYSTEM: "system",
+    common_pb2.ROLE_USER: "user",
+    common_pb2.ROLE_ASSISTANT: "assistant",
+    common_pb2.ROLE_TOOL: "tool",
+}
+
+
+# ---------------------------------------------------------------- Aviary -> wire
+
+
+def message_to_proto(message: Message) -> common_pb2.ChatMessage:
+    """One Aviary message as a ChatMessage; None content becomes empty text."""
+    proto = common_pb2.ChatMessage(
+        role=_ROLE_FROM_AVIARY.get(message.role, common_pb2.ROLE_USER), content=message.content or ""
+    )
+    if isinstance(message, ToolRequestMessage):
+        for call in message.tool_calls:
+            proto.tool_calls.add(
+                id=call.id, name=call.function.name, arguments=json.dumps(call.function.arguments)
+            )
+    elif isinstance(message, ToolResponseMessage):
+        proto.tool_call_id = message.tool_call_id
+        proto.name = message.name
+    return proto
+
+
+def messages_to_proto(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
+    return [message_to_proto(message) for message in messages]
+
+
+def tool_to_proto(tool: Tool) -> common_pb2.ToolSpec:
+    """A Tool in OpenAI function form, its parameters' JSON Schema as text."""
+    parameters = tool.info.parameters
+    schema = (
+        parameters.model_dump(exclude_none=True, by_alias=True)
+        if parameters is not None
+        else {"type": "object", "properties": {}}
+    )
+    return common_pb2.ToolSpec(
+        name=tool.info.name,
+        description=tool.info.description,
+        parameters_json_schema=json.dumps(schema),
+    )
+
+
+def tools_to_proto(tools: Sequence[Tool]) -> list[common_pb2.ToolSpec]:
+    return [tool_to_proto(tool) for tool in tools]
+
+
+# ---------------------------------------------------------------- wire -> Aviary
+
+
+@dataclass
+class Action:
+    """An agent action ready for `env.step`, and why any of its tool calls is invalid."""
+
+    message: Message
+    invalid_calls: dict[str, str] = field(default_factory=dict)  # ToolCall.id -> reason
+
+
+def action_from_proto(action: common_pb2.ChatMessage, tools: Sequence[Tool]) -> Action:
+    """The Aviary action for an assistant ChatMessage, checked against the episode's tools.
+
+    Raises InvalidArgument for a message that is not an action at all (wrong role, tool calls
+    without distinct ids); a call the agent got wrong is kept, marked invalid, for the
+    environment to answer.
+    """
+    if action.role != common_pb2.ROLE_ASSISTANT:
+        raise InvalidArgument(
+            f"action.role is {common_pb2.Role.Name(action.role)}; an action must be an assistant"
+            " message (ROLE_ASSISTANT) with tool calls or content",
+            Reason.INVALID_ACTION,
+        )
+    if not action.tool_calls:
+        return Action(Message(role="assistant", content=action.content))
+    ids = [call.id for call in action.tool_calls]
+    if "" in ids or len(set(ids)) != len(ids):
+        raise InvalidArgument(
+            f"action.tool_calls ids {ids} must be non-empty and distinct: the environment's tool"
+            " messages answer each call by its id",
+            Reason.INVALID_ACTION,
+        )
+    by_name = {tool.info.name: tool for tool in tools}
+    calls, invalid = [], {}
+    for call in action.tool_calls:
+        arguments, problem = _checked_arguments(call, by_name)
+        if problem is not None:
+            invalid[call.id] = problem
+        name = INVALID_TOOL_NAME if problem is not None else call.name
+        calls.append(ToolCall(id=call.id, function=ToolCallFunction(name=name, arguments=arguments)))
+    message = ToolRequestMessage(content=action.content or None, tool_calls=calls)
+    return Action(message, invalid)
+
+
+def _checked_arguments(
+    call: common_pb2.ToolCall, tools: Mapping[str, Tool]
+) -> tuple[dict[str, object], str | None]:
+    """The call's arguments as a dict, and what is wrong with the call (None if nothing)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return {}, f"there is no tool {call.name!r}; the tools are {sorted(tools)}"
+    try:
+        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+    except json.JSONDecodeError as error:
+        return {}, f"the arguments of {call.name!r} are not valid JSON ({error}): {call.arguments!r}"
+    if not isinstance(arguments, dict):
+        return {}, f"the arguments of {call.name!r} must be a JSON object, got {call.arguments!r}"
+    parameters = tool.info.parameters
+    expected = set(parameters.properties) if parameters is not None else set()
+    required = set(parameters.required or []) if parameters is not None else set()
+    unknown, missing = arguments.keys() - expected, required - arguments.keys()
+    if unknown or missing:
+        return {}, (
+            f"{call.name!r} takes arguments {sorted(expected)} (required: {sorted(required)});"
+            f" unknown {sorted(unknown)}, missing {sorted(missing)}"
+        )
+    return arguments, None
+
+
+def explain_invalid_calls(observations: list[Message], invalid_calls: Mapping[str, str]) -> None:
+    """Put the reason into the tool message answering each invalid call, where the environment
+    left it empty (GSM8K's CalculatorEnv answers invalid calls with empty text)."""
+    if not invalid_calls:
+        return
+    for message in observations:
+        if isinstance(message, ToolResponseMessage) and message.tool_call_id in invalid_calls:
+            if not message.content:
+                message.content = f"Invalid tool call: {invalid_calls[message.tool_call_id]}"
+
+
+def message_from_proto(message: common_pb2.ChatMessage) -> Message:
+    """A recorded ChatMessage as an Aviary message, for re-scoring a stored trajectory.
+    Tool calls are kept as recorded (arguments that are not a JSON object become {})."""
+    role = _ROLE_TO_AVIARY.get(message.role)
+    if role is None:
+        raise InvalidArgument(
+            "a trajectory message has role ROLE_UNSPECIFIED; set each message's role",
+            Reason.INVALID_REQUEST,
+        )
+    if role == "assistant" and message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+            except json.JSONDecodeError:
+                arguments = {}
+            calls.append(ToolCall(id=call.id or ToolCall.generate_id(), function=ToolCallFunction(
+                name=call.name, arguments=arguments if isinstance(arguments, dict) else {})))
+        return ToolRequestMessage(content=message.content or None, tool_calls=calls)
+    if role == "tool":
+        return ToolResponseMessage(content=message.content, name=message.name or "tool",
+                                   tool_call_id=message.tool_call_id)
+    return Message(role=role, content=message.content)

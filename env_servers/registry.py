@@ -1,0 +1,259 @@
+"""Live episodes: one Aviary environment each, a lock that serializes its operations (Aviary does
+not serialize steps on one environment), idle expiry, a cap on how many are open, and counters.
+
+Nothing here knows the wire format: the service converts requests into calls on this registry
+and its results into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aviary.core import Environment, Message, Tool
+
+from env_servers.catalog import reward_components
+from sciproto.errors import (
+    FailedPrecondition,
+    Internal,
+    NotFound,
+    Reason,
+    ResourceExhausted,
+    SciprotoError,
+)
+
+log = logging.getLogger("env_servers.registry")
+
+# How long closing one environment may take before it is abandoned (kernel shutdown, temp dirs).
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class StepOutcome:
+    """What one step did. `failure` is set when the environment itself failed (the reward is then
+    an infrastructure error, not a judgement of the agent)."""
+
+    observations: list[Message]
+    reward: float
+    terminated: bool
+    truncated: bool
+    step_count: int
+    components: dict[str, float] = field(default_factory=dict)
+    failure: str | None = None
+
+
+@dataclass
+class Episode:
+    """One open episode. Operations on it hold `lock`; `last_used` drives idle expiry."""
+
+    id: str
+    env_name: str
+    env: Environment
+    tools: list[Tool]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+    step_count: int = 0
+    total_reward: float = 0.0  # return = sum of step rewards
+    terminated: bool = False
+    truncated: bool = False
+    failure: str | None = None  # why the environment failed, if it did
+    closed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.terminated or self.truncated or self.failure is not None
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    async def step(self, action: Message, timeout_s: float) -> StepOutcome:
+        """Apply `action` under the episode's lock; a raising or overrunning environment fails
+        the episode instead of failing the call."""
+        async with self.lock:
+            if self.closed:
+                raise NotFound(f"episode {self.id} was closed while this step waited for it",
+                               Reason.EPISODE_NOT_FOUND)
+            if self.finished:
+                state = f"failed ({self.failure})" if self.failure else (
+                    "terminated" if self.terminated else "truncated")
+                raise FailedPrecondition(
+                    f"episode {self.id} has {state} after {self.step_count} steps; Reset a new episode",
+                    Reason.EPISODE_FINISHED)
+            self.touch()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    observations, reward, terminated, truncated = await self.env.step(action)
+            except TimeoutError:
+                return self._fail(f"the environment did not finish the step within {timeout_s:g} s")
+            except asyncio.CancelledError:  # the environment's state is unknown after this
+                self._fail("a step was cancelled while the environment ran it")
+                raise
+            except Exception as error:  # the environment's failure, not the caller's
+                log.warning("episode %s (%s): step raised", self.id, self.env_name, exc_info=True)
+                return self._fail(f"the environment raised {type(error).__name__}: {error}")
+            finally:
+                self.touch()
+            self.step_count += 1
+            self.total_reward += float(reward)
+            self.terminated, self.truncated = bool(terminated), bool(truncated)
+            components = reward_components(self.env) if self.finished else {}
+            return StepOutcome(list(observations), float(reward), self.terminated, self.truncated,
+                               self.step_count, components)
+
+    def _fail(self, reason: str) -> StepOutcome:
+        self.step_count += 1
+        self.failure = reason
+        return StepOutcome([], 0.0, False, True, self.step_count, failure=reason)
+
+    async def close(self) -> None:
+        """Close the environment once no operation holds the episode; failures are logged."""
+        self.closed = True
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                async with self.lock:
+                    await self.env.close()
+        except Exception:
+            log.warning("episode %s (%s): closing the environment failed", self.id, self.env_name,
+                        exc_info=True)
+
+
+@dataclass
+class Counters:
+    opened: int = 0
+    expired: int = 0
+    steps: int = 0
+    errors: int = 0
+
+
+class EpisodeRegistry:
+    """The open episodes of one server."""
+
+    def __init__(self, max_live_episodes: int, idle_ttl_s: float, step_timeout_s: float,
+                 retry_after_s: float) -> None:
+        self.max_live_episodes = max_live_episodes
+        self.idle_ttl_s = idle_ttl_s
+        self.step_timeout_s = step_timeout_s
+        self.retry_after_s = retry_after_s
+        self.counters = Counters()
+        self._episodes: dict[str, Episode] = {}
+        self._opening = 0  # Resets admitted but not yet registered
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def live(self) -> int:
+        return len(self._episodes)
+
+    def start(self) -> None:
+        """Start expiring idle episodes (needs a running event loop)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def open(self, env_name: str, make: Callable[[], Awaitable[Environment]],
+                   seed: int | None = None) -> tuple[Episode, list[Message]]:
+        """Build an environment with `make`, reset it (with `seed` where its reset takes one),
+        and register it as a new episode. Beyond `max_live_episodes` the caller is told to come
+        back later."""
+        if self.live + self._opening >= self.max_live_episodes:
+            raise ResourceExhausted(
+                f"{self.max_live_episodes} episodes are open, the most this server holds; close"
+                f" finished episodes or retry after {self.retry_after_s:g} s",
+                Reason.TOO_MANY_EPISODES, retry_after_s=self.retry_after_s,
+                metadata={"max_live_episodes": str(self.max_live_episodes)})
+        self._opening += 1
+        try:
+            env = await make()
+            try:
+                observations, tools = await self._reset(env, seed)
+            except BaseException:
+                await Episode("", env_name, env, []).close()
+                raise
+            episode = Episode(uuid.uuid4().hex, env_name, env, list(tools))
+            self._episodes[episode.id] = episode
+            self.counters.opened += 1
+            return episode, list(observations)
+        finally:
+            self._opening -= 1
+
+    async def _reset(self, env: Environment, seed: int | None) -> tuple[list[Message], list[Tool]]:
+        takes_seed = seed is not None and "seed" in inspect.signature(env.reset).parameters
+        try:
+            async with asyncio.timeout(self.step_timeout_s):
+                return await (env.reset(seed=seed) if takes_seed else env.reset())
+        except TimeoutError:
+            raise Internal(f"the environment did not finish its reset within {self.step_timeout_s:g} s",
+                           Reason.STEP_TIMEOUT) from None
+        except SciprotoError:
+            raise
+        except Exception as error:
+            log.warning("%s: reset raised", type(env).__name__, exc_info=True)
+            raise Internal(f"the environment failed to reset: {type(error).__name__}: {error}",
+                           Reason.ENVIRONMENT_FAILED) from error
+
+    def get(self, episode_id: str) -> Episode:
+        episode = self._episodes.get(episode_id)
+        if episode is None:
+            raise NotFound(
+                f"no open episode {episode_id!r}: it was never opened here, was closed, or expired"
+                f" after {self.idle_ttl_s:g} s idle; Reset a new one",
+                Reason.EPISODE_NOT_FOUND, metadata={"episode_id": episode_id})
+        return episode
+
+    async def step(self, episode_id: str, action: Message) -> StepOutcome:
+        outcome = await self.get(episode_id).step(action, self.step_timeout_s)
+        self.counters.steps += 1
+        if outcome.failure is not None:
+            self.counters.errors += 1
+        return outcome
+
+    async def close(self, episode_id: str) -> bool:
+        """Close an episode; False if it was not open (closing twice is not an error)."""
+        episode = self._episodes.pop(episode_id, None)
+        if episode is None:
+            return False
+        await episode.close()
+        return True
+
+    async def close_all(self, episode_ids: list[str]) -> int:
+        """Close the open ones of several episodes, even if the caller is being cancelled;
+        returns how many were open."""
+        episodes = [e for e in (self._episodes.pop(i, None) for i in episode_ids) if e is not None]
+        if episodes:
+            closing = asyncio.ensure_future(asyncio.gather(*(e.close() for e in episodes)))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(closing)
+        return len(episodes)
+
+    async def aclose(self) -> None:
+        """Stop expiring and close every episode (server shutdown)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.close_all(list(self._episodes))
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=CLOSE_TIMEOUT_S)
+
+    async def _sweep_forever(self) -> None:
+        period = min(max(self.idle_ttl_s / 4, 0.05), 30.0)
+        while True:
+            await asyncio.sleep(period)
+            await self.expire_idle()
+
+    async def expire_idle(self) -> None:
+        """Close episodes idle for longer than the TTL; an episode in the middle of an operation
+        is never idle."""
+        deadline = time.monotonic() - self.idle_ttl_s
+        idle = [e.id for e in self._episodes.values() if e.last_used < deadline and not e.lock.locked()]
+        if idle:
+            log.info("closing %d episodes idle for more than %g s", len(idle), self.idle_ttl_s)
+            expired = await self.close_all(idle)
+            self.counters.expired += expired

@@ -1,0 +1,258 @@
+"""EnvironmentService: requests in, registry calls, responses out.
+
+The four operations (reset, step, verify, close) are written once, as methods that take and
+return protobuf messages; the unary RPCs and the Session stream both call them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+from aviary.core import Environment
+
+from env_servers import convert
+from env_servers.catalog import UNBOUNDED, EnvironmentSource, RescoreUnsupportedError, reward_components
+from env_servers.config import EnvServerConfig
+from env_servers.idempotency import IdempotencyCache
+from env_servers.registry import EpisodeRegistry, StepOutcome
+from env_servers.session import SessionStream
+from sciproto.errors import (
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unimplemented,
+)
+from sciproto.pb import common_pb2, env_grpc, env_pb2
+from sciproto.version import PROTOCOL_VERSION, __version__
+
+log = logging.getLogger("env_servers.service")
+
+CAPABILITIES = ("session", "session.heartbeat", "verify.episode", "verify.trajectory",
+                "inline_tasks", "idempotent_requests")
+
+Response = TypeVar("Response")
+
+
+def _counts_errors(operation: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Count every call of `operation` that ends in an error in the registry's counters."""
+
+    @functools.wraps(operation)
+    async def counted(self: EnvironmentService, request: Any, **options: Any) -> Response:
+        try:
+            return await operation(self, request, **options)
+        except Exception:
+            self.registry.counters.errors += 1
+            raise
+
+    return counted
+
+
+class EnvironmentService(env_grpc.EnvironmentServiceServicer):
+    """Hosts the environments of `sources` as configured."""
+
+    def __init__(self, config: EnvServerConfig, sources: Mapping[str, EnvironmentSource]) -> None:
+        self.config = config
+        self.sources = dict(sources)
+        # Split sizes never change; some Aviary datasets are slow to size, so ask once.
+        self.splits = {name: dict(source.splits) for name, source in self.sources.items()}
+        self.registry = EpisodeRegistry(config.max_live_episodes, config.idle_ttl_s,
+                                        config.step_timeout_s, config.retry_after_s)
+        self.idempotency = IdempotencyCache(config.idempotency_cache_size)
+        self.tools_seen: dict[str, list[common_pb2.ToolSpec]] = {}  # env -> tools of its last reset
+
+    def start(self) -> None:
+        self.registry.start()
+
+    async def aclose(self) -> None:
+        await self.registry.aclose()
+
+    # ------------------------------------------------------------ operations
+
+    def describe(self) -> env_pb2.EnvironmentServiceDescribeResponse:
+        server = common_pb2.ServerInfo(
+            protocol_version=PROTOCOL_VERSION, server_version=__version__, implementation="sciproto-env",
+            capabilities=CAPABILITIES, limits=self.config.server.message_limits())
+        environments = [
+            env_pb2.EnvironmentInfo(
+                name=name, description=source.description, tools=self.tools_seen.get(name, []),
+                # An unbounded split reports size 0: any index is valid there.
+                splits=[env_pb2.SplitInfo(name=split, size=max(size, 0))
+                        for split, size in self.splits[name].items()])
+            for name, source in self.sources.items()
+        ]
+        counters = self.registry.counters
+        return env_pb2.EnvironmentServiceDescribeResponse(
+            server=server, environments=environments,
+            limits=env_pb2.EnvironmentLimits(
+                max_live_episodes=self.config.max_live_episodes, idle_ttl_seconds=self.config.idle_ttl_s,
+                step_timeout_seconds=self.config.step_timeout_s),
+            counters=env_pb2.EnvironmentCounters(
+                live_episodes=self.registry.live, episodes_opened=counters.opened,
+                episodes_expired=counters.expired, steps=counters.steps, errors=counters.errors))
+
+    @_counts_errors
+    async def reset(self, request: env_pb2.ResetRequest, detach: bool = True) -> env_pb2.ResetResponse:
+        """detach: finish even if the caller goes away (see IdempotencyCache.run)."""
+        fingerprint = request.SerializeToString(deterministic=True)
+        return await self.idempotency.run("reset", request.request_id, fingerprint,
+                                          lambda: self._reset(request), detach=detach)
+
+    async def _reset(self, request: env_pb2.ResetRequest) -> env_pb2.ResetResponse:
+        source = self._source(request.env)
+        if request.options:
+            raise InvalidArgument(
+                f"environment {request.env!r} takes no per-episode options (got {sorted(request.options)});"
+                " environment options are set in the server's configuration (env_options)",
+                Reason.INVALID_REQUEST)
+        which = request.WhichOneof("task")
+        if which == "task_ref":
+            split, index = request.task_ref.split, request.task_ref.index
+            self._check_task(request.env, split, index)
+            summary = source.task_summary(split, index)
+            make: Callable[[], Awaitable[Environment]] = lambda: source.make(split, index)  # noqa: E731
+        elif which == "inline_task":
+            fields = dict(request.inline_task.fields)
+            summary, make = fields, lambda: _make_inline(source, fields)
+        else:
+            raise InvalidArgument("ResetRequest names no task: set task_ref {split, index} or inline_task",
+                                  Reason.INVALID_REQUEST)
+        seed = request.seed if request.HasField("seed") else None
+        episode, observations = await self.registry.open(request.env, make, seed)
+        tools = convert.tools_to_proto(episode.tools)
+        self.tools_seen[request.env] = tools
+        return env_pb2.ResetResponse(episode_id=episode.id, observations=convert.messages_to_proto(observations),
+                                     tools=tools, task_summary=summary)
+
+    @_counts_errors
+    async def step(self, request: env_pb2.StepRequest, detach: bool = True) -> env_pb2.StepResponse:
+        fingerprint = (request.episode_id, request.action.SerializeToString())
+        return await self.idempotency.run("step", request.request_id, fingerprint,
+                                          lambda: self._step(request), detach=detach)
+
+    async def _step(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
+        episode = self.registry.get(request.episode_id)
+        action = convert.action_from_proto(request.action, episode.tools)
+        outcome = await self.registry.step(episode.id, action.message)
+        convert.explain_invalid_calls(outcome.observations, action.invalid_calls)
+        return _step_response(outcome)
+
+    @_counts_errors
+    async def verify(self, request: env_pb2.VerifyRequest) -> env_pb2.VerifyResponse:
+        which = request.WhichOneof("target")
+        if which == "episode_id":
+            return env_pb2.VerifyResponse(reward=self._episode_reward(request.episode_id))
+        if which == "trajectory":
+            return env_pb2.VerifyResponse(reward=await self._trajectory_reward(request.trajectory))
+        raise InvalidArgument("VerifyRequest names nothing to grade: set episode_id or trajectory",
+                              Reason.INVALID_REQUEST)
+
+    def _episode_reward(self, episode_id: str) -> common_pb2.Reward:
+        """The episode's return so far: SCORED once it terminated, UNSCORED before (or when cut
+        short), INFRA_ERROR if its environment failed."""
+        episode = self.registry.get(episode_id)
+        episode.touch()
+        if episode.failure is not None:
+            return common_pb2.Reward(status=common_pb2.REWARD_STATUS_INFRA_ERROR, detail=episode.failure)
+        if episode.terminated:
+            return common_pb2.Reward(value=episode.total_reward, components=reward_components(episode.env),
+                                     status=common_pb2.REWARD_STATUS_SCORED)
+        state = "was truncated before it terminated" if episode.truncated else "has not terminated yet"
+        return common_pb2.Reward(value=episode.total_reward, status=common_pb2.REWARD_STATUS_UNSCORED,
+                                 detail=f"the episode {state} ({episode.step_count} steps)")
+
+    async def _trajectory_reward(self, trajectory: env_pb2.StoredTrajectory) -> common_pb2.Reward:
+        source = self._source(trajectory.env)
+        if trajectory.WhichOneof("task") != "task_ref":
+            raise Unimplemented(
+                "re-scoring a trajectory needs its task_ref (split, index); trajectories of inline tasks"
+                " cannot be re-scored: Verify the live episode instead", Reason.UNSUPPORTED)
+        split, index = trajectory.task_ref.split, trajectory.task_ref.index
+        self._check_task(trajectory.env, split, index)
+        messages = [convert.message_from_proto(message) for message in trajectory.messages]
+        try:
+            value, components = await source.rescore(split, index, messages)
+        except RescoreUnsupportedError as error:
+            raise Unimplemented(f"{error}; Verify the live episode instead", Reason.UNSUPPORTED) from None
+        except Exception as error:
+            log.warning("%s: rescore raised", trajectory.env, exc_info=True)
+            self.registry.counters.errors += 1
+            return common_pb2.Reward(status=common_pb2.REWARD_STATUS_INFRA_ERROR,
+                                     detail=f"re-scoring raised {type(error).__name__}: {error}")
+        return common_pb2.Reward(value=value, components=components, status=common_pb2.REWARD_STATUS_SCORED)
+
+    @_counts_errors
+    async def close(self, request: env_pb2.CloseRequest) -> env_pb2.CloseResponse:
+        return env_pb2.CloseResponse(closed=await self.registry.close(request.episode_id))
+
+    # ------------------------------------------------------------ checks
+
+    def _source(self, env: str) -> EnvironmentSource:
+        source = self.sources.get(env)
+        if source is None:
+            raise NotFound(f"this server hosts no environment {env!r}; it hosts {sorted(self.sources)}",
+                           Reason.UNKNOWN_ENVIRONMENT, metadata={"environments": ",".join(sorted(self.sources))})
+        return source
+
+    def _check_task(self, env: str, split: str, index: int) -> None:
+        splits = self.splits[env]
+        if split not in splits:
+            raise NotFound(f"environment {env!r} has no split {split!r}; its splits are {sorted(splits)}",
+                           Reason.UNKNOWN_SPLIT, metadata={"splits": ",".join(sorted(splits))})
+        size = splits[split]
+        if size != UNBOUNDED and index >= size:
+            raise InvalidArgument(
+                f"task index {index} is out of range: split {split!r} of {env!r} has {size} tasks"
+                f" (indices 0..{size - 1})", Reason.TASK_OUT_OF_RANGE, metadata={"split_size": str(size)})
+
+    # ------------------------------------------------------------ RPCs
+
+    async def Describe(self, request: env_pb2.EnvironmentServiceDescribeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> env_pb2.EnvironmentServiceDescribeResponse:
+        return self.describe()
+
+    async def Reset(self, request: env_pb2.ResetRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> env_pb2.ResetResponse:
+        return await self.reset(request)
+
+    async def Step(self, request: env_pb2.StepRequest,  # noqa: N802
+                   context: grpc.aio.ServicerContext) -> env_pb2.StepResponse:
+        return await self.step(request)
+
+    async def Verify(self, request: env_pb2.VerifyRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> env_pb2.VerifyResponse:
+        return await self.verify(request)
+
+    async def Close(self, request: env_pb2.CloseRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
+        return await self.close(request)
+
+    async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:
+        stream = SessionStream(self, self.config.heartbeat_interval_s)
+        async for response in stream.run(request_iterator):
+            yield response
+
+
+async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Environment:
+    try:
+        return await source.make_inline(fields)
+    except ValueError as error:
+        raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
+
+
+def _step_response(outcome: StepOutcome) -> env_pb2.StepResponse:
+    if outcome.failure is not None:
+        reward = common_pb2.Reward(status=common_pb2.REWARD_STATUS_INFRA_ERROR, detail=outcome.failure)
+        info = {"error": outcome.failure}
+    else:
+        reward = common_pb2.Reward(value=outcome.reward, components=outcome.components,
+                                   status=common_pb2.REWARD_STATUS_SCORED)
+        info = {}
+    return env_pb2.StepResponse(
+        observations=convert.messages_to_proto(outcome.observations), reward=reward,
+        terminated=outcome.terminated, truncated=outcome.truncated, info=info, step_count=outcome.step_count)
+
