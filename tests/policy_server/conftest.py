@@ -21,10 +21,16 @@ def backend(tiny: LoadedModel):
     asyncio.run(served.close())
 
 
-async def collect(
+async def _collect(
     backend: TransformersBackend, request: GenerationRequest
 ) -> tuple[list[SampleResult], list[TokenDelta]]:
+    """All events of one generate call: results by sample index, and the deltas."""
     results, deltas = [], []
     async for event in backend.generate(request):
         (results if isinstance(event, SampleResult) else deltas).append(event)
     return sorted(results, key=lambda r: r.sample_index), deltas
+
+
+@pytest.fixture
+def collect():
+    return _collect

@@ -1,4 +1,5 @@
 import torch
+from gguf import GGUFReader
 
 from policy_server.models import load_model
 from policy_server.models.byte_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
@@ -48,18 +49,18 @@ def test_tiny_model_is_seeded():
 
 def test_smollm2_loads_offline_and_its_template_matches_the_original(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     loaded = load_model("smollm2", dtype=torch.bfloat16)
     assert loaded.model.config.num_hidden_layers == 30 and loaded.max_context == 8192
     assert loaded.model.dtype == torch.bfloat16
-    gguf = smollm2_gguf_path()
-    original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    field = GGUFReader(smollm2_gguf_path()).fields["tokenizer.chat_template"]
+    original_template = bytes(field.parts[field.data[0]]).decode()
     conversation = [ChatMessage("user", "What is 2+2?"), ChatMessage("assistant", "4"),
                     ChatMessage("user", "And 3+3?")]
     ours = render_chat(loaded.tokenizer, conversation, [], add_generation_prompt=True)
-    theirs = original.apply_chat_template([m.to_template_dict() for m in conversation],
-                                          tokenize=False, add_generation_prompt=True)
+    theirs = loaded.tokenizer.apply_chat_template(
+        [m.to_template_dict() for m in conversation], chat_template=original_template,
+        tokenize=False, add_generation_prompt=True,
+    )
     assert ours == theirs
     with_tools = render_chat(loaded.tokenizer, conversation, TOOLS, add_generation_prompt=True)
     assert "You are a helpful AI assistant named SmolLM" in with_tools and "<tools>" in with_tools

@@ -1,0 +1,41 @@
+import torch
+
+from policy_server.backends.sampling import sample_next_tokens
+
+
+def _draw(logits, temperature, top_p, draws=4000, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch = logits.expand(draws, -1)
+    uniforms = torch.rand(draws, generator=generator, dtype=torch.float64)
+    return sample_next_tokens(
+        batch, torch.full((draws,), temperature), torch.full((draws,), top_p), uniforms
+    )
+
+
+def test_processed_logprobs_follow_temperature_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    temperature, top_p = 0.7, 0.8
+    tokens, logprobs = _draw(logits, temperature, top_p)
+    # expected: softmax(logits / T), keep the smallest top set reaching mass top_p, renormalise
+    q = torch.softmax(logits[0] / temperature, dim=-1)
+    keep = (q.cumsum(0) - q) < top_p  # logits are already sorted
+    p = torch.where(keep, q, torch.zeros_like(q)) / q[keep].sum()
+    assert torch.allclose(logprobs, p.log()[tokens], atol=1e-6)
+    assert set(tokens.tolist()) == set(torch.nonzero(keep).flatten().tolist())
+    frequencies = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    assert torch.allclose(frequencies, p.double(), atol=0.03)
+
+
+def test_temperature_one_top_p_one_gives_raw_logprobs():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    tokens, logprobs = _draw(logits, 1.0, 1.0, draws=500)
+    assert torch.allclose(logprobs, torch.log_softmax(logits[0], -1)[tokens], atol=1e-6)
+
+
+def test_zero_temperature_is_greedy_next_to_sampled_rows():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    tokens, logprobs = sample_next_tokens(
+        logits, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.5]), torch.tensor([0.99, 0.99])
+    )
+    assert tokens[0] == 1 and torch.isclose(logprobs[0], torch.log_softmax(logits[0], -1)[1])
+    assert tokens[1] == 1 and torch.isclose(logprobs[1], torch.tensor(0.0), atol=1e-6)  # top-p keeps only token 1
