@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from sciproto.tls import read_pem
+from sciproto.tokens import read_token
 
 MiB = 1024 * 1024
 
@@ -28,9 +31,20 @@ class TlsClientConfig(BaseModel):
     client_key: Path | None = Field(None, description="PEM private key for mutual TLS")
     server_name: str | None = Field(None, description="Override the name checked in the server's certificate")
 
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> TlsClientConfig:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("tls.client_cert and tls.client_key go together: give both for mutual TLS, or neither")
+        return self
+
     def credentials(self) -> grpc.ChannelCredentials:
-        read = lambda p: p.read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.ca_cert), read(self.client_key), read(self.client_cert))
+        def read(path: Path | None, setting: str) -> bytes | None:
+            return read_pem(path, setting) if path else None
+
+        return grpc.ssl_channel_credentials(
+            read(self.ca_cert, "tls.ca_cert"), read(self.client_key, "tls.client_key"),
+            read(self.client_cert, "tls.client_cert"),
+        )
 
 
 class ChannelConfig(BaseModel):
@@ -39,12 +53,27 @@ class ChannelConfig(BaseModel):
     target: str = Field(..., description="HOST:PORT, or any gRPC target URI")
     tls: TlsClientConfig | None = Field(None, description="None: plaintext (loopback and trusted networks only)")
     token: str | None = Field(None, description="Bearer token sent with every call", repr=False)
+    token_file: Path | None = Field(None, description="File holding the bearer token (keeps it out of configs)")
+    token_env: str | None = Field(None, description="Environment variable holding the bearer token")
     default_timeout_s: float = Field(60.0, gt=0, description="Deadline for unary calls and Generate when the caller sets none")
     max_attempts: int = Field(4, ge=1, le=5, description="Tries per call on UNAVAILABLE (gRPC caps this at 5)")
     initial_backoff_s: float = Field(0.2, gt=0)
     max_backoff_s: float = Field(2.0, gt=0)
     keepalive_time_s: float = Field(30.0, gt=0)
     max_message_bytes: int = Field(64 * MiB, gt=0)
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ChannelConfig:
+        given = [name for name in ("token", "token_file", "token_env") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of token, token_file, token_env (got {', '.join(given)})")
+        return self
+
+    def bearer_token(self) -> str | None:
+        """The token to send, read now from its source; None: send none."""
+        if self.token_file is None and self.token_env is None:
+            return self.token
+        return read_token(self.token_file, self.token_env, f"channel to {self.target}")
 
     def service_config(self) -> str:
         retry = {
@@ -71,12 +100,7 @@ class ChannelConfig(BaseModel):
         ]
 
 
-class _Defaults(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _Defaults:
     """Adds the bearer token to every call, and the default deadline to calls
     with a single request (long-lived client streams set their own)."""
 
@@ -84,29 +108,56 @@ class _Defaults(
         self.timeout_s = timeout_s
         self.auth = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def _details(self, details: grpc.aio.ClientCallDetails, default_timeout: bool) -> grpc.aio.ClientCallDetails:
+    def details(self, details: grpc.aio.ClientCallDetails, default_timeout: bool) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.auth)
         timeout = details.timeout if details.timeout is not None or not default_timeout else self.timeout_s
         return grpc.aio.ClientCallDetails(details.method, timeout, metadata, details.credentials, details.wait_for_ready)
 
+
+# grpc.aio files each interceptor under the first call kind it implements
+# (an if/elif chain), so one object per kind is needed to cover all four.
+class _UnaryUnaryDefaults(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, defaults: _Defaults) -> None:
+        self.defaults = defaults
+
     async def intercept_unary_unary(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        return await continuation(self._details(details, True), request)
+        return await continuation(self.defaults.details(details, True), request)
+
+
+class _UnaryStreamDefaults(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, defaults: _Defaults) -> None:
+        self.defaults = defaults
 
     async def intercept_unary_stream(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
-        return await continuation(self._details(details, True), request)
+        return await continuation(self.defaults.details(details, True), request)
+
+
+class _StreamUnaryDefaults(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, defaults: _Defaults) -> None:
+        self.defaults = defaults
 
     async def intercept_stream_unary(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
-        return await continuation(self._details(details, False), request_iterator)
+        return await continuation(self.defaults.details(details, False), request_iterator)
+
+
+class _StreamStreamDefaults(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, defaults: _Defaults) -> None:
+        self.defaults = defaults
 
     async def intercept_stream_stream(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
-        return await continuation(self._details(details, False), request_iterator)
+        return await continuation(self.defaults.details(details, False), request_iterator)
+
+
+def _default_interceptors(config: ChannelConfig) -> list[grpc.aio.ClientInterceptor]:
+    defaults = _Defaults(config.default_timeout_s, config.bearer_token())
+    return [kind(defaults) for kind in (_UnaryUnaryDefaults, _UnaryStreamDefaults, _StreamUnaryDefaults, _StreamStreamDefaults)]
 
 
 def make_channel(config: ChannelConfig | str, interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
     """An asyncio channel to one server, configured as `config` says."""
     if isinstance(config, str):
         config = ChannelConfig(target=config)
-    all_interceptors = [_Defaults(config.default_timeout_s, config.token), *(interceptors or [])]
+    all_interceptors = [*_default_interceptors(config), *(interceptors or [])]
     if config.tls is not None:
         return grpc.aio.secure_channel(config.target, config.tls.credentials(), config.options(), interceptors=all_interceptors)
     return grpc.aio.insecure_channel(config.target, config.options(), interceptors=all_interceptors)

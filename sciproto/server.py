@@ -1,6 +1,7 @@
 """Server bootstrap shared by every sciproto component: a grpc.aio server
-with health checking, reflection, interceptors, message-size limits,
-keepalive, and graceful shutdown that drains in-flight calls on SIGTERM/SIGINT."""
+with health checking, reflection, interceptors, TLS, bearer-token auth,
+message-size limits, keepalive, and graceful shutdown that drains in-flight
+calls on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from sciproto.auth import AuthConfig, AuthInterceptor, roles_for_service
 from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
 from sciproto.pb import common_pb2
+from sciproto.tls import TlsServerConfig, is_loopback
+from sciproto.version import PROTOCOL_VERSION, __version__
 
 log = logging.getLogger("sciproto.server")
 
@@ -34,6 +38,17 @@ class ServerConfig(BaseModel):
     keepalive_time_s: float = Field(30.0, gt=0, description="Ping an idle connection this often")
     keepalive_timeout_s: float = Field(10.0, gt=0, description="Drop a connection whose ping goes unanswered")
     grace_period_s: float = Field(10.0, ge=0, description="How long shutdown waits for in-flight calls")
+    tls: TlsServerConfig | None = Field(None, description="None: plaintext, allowed on loopback only by default")
+    allow_insecure_remote: bool = Field(False, description="Serve plaintext on a non-loopback host (trusted networks only)")
+
+    @model_validator(mode="after")
+    def _plaintext_only_on_loopback(self) -> ServerConfig:
+        if self.tls is None and not self.allow_insecure_remote and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve plaintext on {self.host!r}, which other machines can reach: set "
+                "server.tls (cert and key), or, on a trusted network only, server.allow_insecure_remote=true"
+            )
+        return self
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         return [
@@ -102,14 +117,24 @@ async def start_server(
     services: Sequence[Service],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    auth: AuthConfig | None = None,
 ) -> RunningServer:
     """Start serving `services`, with health and reflection, and return at once.
 
-    Interceptor order: logging, errors, then `interceptors` (auth, tracing),
-    so errors raised by any of them get a proper status.
+    TLS comes from `config.tls` (`credentials`, when given, take its place).
+    With `auth` enabled, every call needs a bearer token holding the method's
+    role (see sciproto.auth.METHOD_ROLES).
+
+    Interceptor order: logging, errors, auth, then `interceptors` (tracing),
+    so errors raised by any of them get a proper status, and nothing after
+    auth runs for a refused call.
     """
+    authenticator = auth.load() if auth is not None else None
+    if credentials is None and config.tls is not None:
+        credentials = config.tls.credentials()
+    security = [AuthInterceptor(authenticator)] if authenticator is not None else []
     server = grpc.aio.server(
-        interceptors=[LoggingInterceptor(), ErrorInterceptor(), *interceptors],
+        interceptors=[LoggingInterceptor(), ErrorInterceptor(), *security, *interceptors],
         options=config.grpc_options(),
     )
     health_servicer = health.aio.HealthServicer()
@@ -123,6 +148,10 @@ async def start_server(
     if port == 0:
         raise OSError(f"could not bind {address}: is the port in use?")
     await server.start()
+    transport = "plaintext" if credentials is None else "mutual TLS" if config.tls and config.tls.require_client_cert else "TLS"
+    principals = ", ".join(p.name for p in authenticator.principals) if authenticator else None
+    log.info("listening on %s:%d (%s; %s)", config.host, port, transport,
+             f"auth on for {principals}" if principals else "auth off")
     running = RunningServer(server, port, health_servicer, services, config.grace_period_s)
     await running._set_health(health_pb2.HealthCheckResponse.SERVING)
     return running
@@ -139,6 +168,27 @@ async def serve_until_signalled(running: RunningServer, on_ready: Callable[[int]
     await stop.wait()
     log.info("signal received; shutting down")
     await running.stop()
+
+
+def server_info(
+    config: ServerConfig,
+    implementation: str,
+    capabilities: Sequence[str] = (),
+    *,
+    service: str,
+    auth: AuthConfig | None = None,
+) -> common_pb2.ServerInfo:
+    """The ServerInfo every Describe returns: versions, capabilities, the
+    message limits of `config`, and the roles the methods of `service`
+    (e.g. pb.ENV_SERVICE) require when `auth` is enabled."""
+    return common_pb2.ServerInfo(
+        protocol_version=PROTOCOL_VERSION,
+        server_version=__version__,
+        implementation=implementation,
+        capabilities=list(capabilities),
+        limits=config.message_limits(),
+        auth_roles=roles_for_service(service) if auth is not None and auth.enabled else [],
+    )
 
 
 def announce_port(component: str, port: int) -> None:
