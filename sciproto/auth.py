@@ -160,14 +160,18 @@ class AuthConfig(AuthSettings):
     def enabled(self) -> bool:
         return self.file is not None or bool(self.tokens)
 
+    @model_validator(mode="after")
+    def _file_or_inline(self) -> AuthConfig:
+        inline = sorted(self.model_fields_set - {"file"})
+        if self.file is not None and inline:
+            raise ValueError(f"auth.file ({self.file}) and inline auth settings ({', '.join(inline)}) are both "
+                             "given: move the inline settings into the file")
+        return self
+
     def settings(self) -> AuthSettings:
         """The settings in force: the file's, or the inline ones."""
         if self.file is None:
             return AuthSettings(tokens=self.tokens, health_open=self.health_open, default_limits=self.default_limits)
-        inline = sorted(self.model_fields_set - {"file"})
-        if inline:
-            raise ConfigError(f"auth.file ({self.file}) and inline auth settings ({', '.join(inline)}) are both "
-                              "given: move the inline settings into the file")
         return load_auth_file(self.file)
 
     def load(self) -> Authenticator | None:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, Field, model_validator
 
-from sciproto.auth import AuthConfig, AuthInterceptor, roles_for_service
+from sciproto.auth import AuthConfig, Authenticator, AuthInterceptor, roles_for_service
 from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
 from sciproto.pb import common_pb2
 from sciproto.tls import TlsServerConfig, is_loopback
@@ -117,19 +117,20 @@ async def start_server(
     services: Sequence[Service],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
-    auth: AuthConfig | None = None,
+    auth: AuthConfig | Authenticator | None = None,
 ) -> RunningServer:
     """Start serving `services`, with health and reflection, and return at once.
 
     TLS comes from `config.tls` (`credentials`, when given, take its place).
     With `auth` enabled, every call needs a bearer token holding the method's
-    role (see sciproto.auth.METHOD_ROLES).
+    role (see sciproto.auth.METHOD_ROLES); pass `auth_config.load()` instead
+    of the config to read the tokens early, before slow start-up work.
 
     Interceptor order: logging, errors, auth, then `interceptors` (tracing),
     so errors raised by any of them get a proper status, and nothing after
     auth runs for a refused call.
     """
-    authenticator = auth.load() if auth is not None else None
+    authenticator = auth.load() if isinstance(auth, AuthConfig) else auth
     if credentials is None and config.tls is not None:
         credentials = config.tls.credentials()
     security = [AuthInterceptor(authenticator)] if authenticator is not None else []

@@ -45,11 +45,11 @@ class ProbeEnvironmentService(pb.env_grpc.EnvironmentServiceServicer):
         self.config = config
         self.claims: list[EpisodeClaim] = []
 
-    async def Describe(self, request, context):  # noqa: N802 (gRPC method name)
+    async def Describe(self, request, context):
         server = server_info(self.config.server, "probe", ["probe"], service=pb.ENV_SERVICE, auth=self.config.auth)
         return pb.env_pb2.EnvironmentServiceDescribeResponse(server=server)
 
-    async def Step(self, request, context):  # noqa: N802
+    async def Step(self, request, context):
         if not request.episode_id:
             raise InvalidArgument("episode_id is empty: pass the id Reset returned", Reason.INVALID_REQUEST)
         if request.episode_id.startswith("sleep:"):

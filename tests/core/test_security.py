@@ -326,7 +326,7 @@ def test_auth_setup_errors_say_what_to_fix(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ConfigError, match="lists no tokens"):
         AuthConfig(file=tmp_path / "auth.yaml").load()
     with pytest.raises(ConfigError, match="both"):
-        AuthConfig(file=tmp_path / "auth.yaml", health_open=False).load()
+        load_config(AuthConfig, None, [f"file={tmp_path / 'auth.yaml'}", "health_open=false"])
     assert AuthConfig().load() is None
 
 
