@@ -1,0 +1,293 @@
+"""Collect rollouts: the streaming Python API and `sciproto collect`.
+
+    async with env_pool(["127.0.0.1:50051"]) as env, policy_pool(["127.0.0.1:50052"]) as policy:
+        async for group in collect(tasks_of("gsm8k", "test", 100), env=env, policy=policy,
+                                   samples=4, concurrency=64):
+            ...                                 # each group as soon as its samples are done
+
+`collect` pulls tasks from the (async) iterable only when a group can start, so memory stays
+flat however many tasks are queued; at most `concurrency // samples` groups (at least one) run
+at once. Groups come out in the order they finish.
+
+`sciproto collect` writes one line per rollout (format: `clients.rollouts`) to the output file,
+appended and flushed as each group finishes; INFRA_ERROR rollouts go to
+`<stem>.failures.jsonl` (rewritten every run, so a rerun tries those tasks again); a rerun skips
+rollout ids already in the output and cuts a torn last line left by a crash. At the end it prints
+a summary table and writes it to `<stem>.summary.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from clients.agent import (
+    AgentSettings,
+    EnvPool,
+    PolicyPool,
+    Sampling,
+    env_pool,
+    policy_pool,
+    run_group,
+)
+from clients.retries import Deadlines, RetryPolicy
+from clients.rollouts import (
+    RolloutGroup,
+    RolloutRecord,
+    RolloutStatus,
+    TaskKey,
+    drop_torn_tail,
+    read_rollouts,
+)
+from clients.summary import CollectSummary, summarize
+from sciproto.config import load_config
+from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    probe_interval_s: float = Field(0.5, gt=0, description="First wait between health probes of a failed replica")
+    probe_max_interval_s: float = Field(5.0, gt=0, description="Longest wait between probes (the wait doubles)")
+    wait_for_healthy_s: float = Field(30.0, gt=0, description="How long a call waits for some replica to be healthy")
+
+
+class CollectConfig(BaseModel):
+    """Settings of `sciproto collect` (addresses, tasks and counts come from the command line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sampling: Sampling = Field(default_factory=Sampling)
+    max_steps: int = Field(8, ge=1, description="Most Steps per episode")
+    max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
+    retries: RetryPolicy = Field(default_factory=RetryPolicy)
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    success_reward: float = Field(1.0, description="A rollout passes (for pass@k) when its reward is at least this")
+    progress: bool = Field(True, description="Show a progress bar")
+
+    def agent_settings(self) -> AgentSettings:
+        return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines)
+
+
+def tasks_of(env: str, split: str, count: int, start: int = 0) -> Iterator[TaskKey]:
+    """Tasks `start` .. `start + count - 1` of a split, generated lazily."""
+    return (TaskKey(env, split, index) for index in range(start, start + count))
+
+
+async def _iterate(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey]) -> AsyncIterator[TaskKey]:
+    if isinstance(tasks, AsyncIterable):
+        async for task in tasks:
+            yield task
+    else:
+        for task in tasks:
+            yield task
+
+
+async def collect(
+    tasks: Iterable[TaskKey] | AsyncIterable[TaskKey],
+    *,
+    env: EnvPool,
+    policy: PolicyPool,
+    samples: int = 1,
+    concurrency: int = 16,
+    sampling: Sampling | None = None,
+    max_steps: int = 8,
+    max_tokens: int = 4096,
+    retries: RetryPolicy | None = None,
+    deadlines: Deadlines | None = None,
+) -> AsyncIterator[RolloutGroup]:
+    """Run every task's group of `samples` episodes, at most `concurrency` episodes at once,
+    and yield each group as it completes. Leaving the loop early (or cancelling) cancels the
+    groups in flight; their episodes are closed on the way out."""
+    if samples < 1 or concurrency < 1:
+        raise ValueError(f"samples ({samples}) and concurrency ({concurrency}) must be >= 1")
+    settings = AgentSettings(sampling or Sampling(), max_steps, max_tokens, retries or RetryPolicy(),
+                             deadlines or Deadlines())
+    max_groups = max(1, concurrency // samples)
+    upcoming = _iterate(tasks)
+    running: set[asyncio.Task[RolloutGroup]] = set()
+    next_task: asyncio.Task[TaskKey] | None = None
+    try:
+        while True:
+            # Admission: ask the iterator for one more task only while a group slot is free.
+            if next_task is None and upcoming is not None and len(running) < max_groups:
+                next_task = asyncio.ensure_future(anext(upcoming))
+            waiting = running | ({next_task} if next_task else set())
+            if not waiting:
+                return
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if next_task in done:
+                try:
+                    task = next_task.result()
+                except StopAsyncIteration:
+                    upcoming = None
+                else:
+                    running.add(asyncio.create_task(run_group(task, samples, env, policy, settings),
+                                                    name=f"group {task.group_id}"))
+                next_task = None
+            for finished in done & running:
+                running.discard(finished)
+                yield finished.result()
+    finally:
+        leftovers = [*running, *([next_task] if next_task else [])]
+        for leftover in leftovers:
+            leftover.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+# -------------------------------------------------------------------- the command
+
+
+class CollectError(ValueError):
+    """Bad `sciproto collect` input; the message says what to fix."""
+
+
+def parse_tasks(spec: str) -> tuple[str, str]:
+    env, sep, split = spec.partition(":")
+    if not sep or not env or not split or ":" in split:
+        raise CollectError(f"--tasks {spec!r} must look like ENV:SPLIT, e.g. gsm8k:test")
+    return env, split
+
+
+def output_paths(output: Path) -> tuple[Path, Path]:
+    """(failures file, summary file) beside `output`."""
+    return output.with_name(f"{output.stem}.failures.jsonl"), output.with_name(f"{output.stem}.summary.json")
+
+
+async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> int:
+    async with env.lease() as replica:
+        described = await replica.client.describe(timeout=timeout_s)
+    for info in described.environments:
+        if info.name == name:
+            for split_info in info.splits:
+                if split_info.name == split:
+                    return split_info.size
+            raise CollectError(f"environment {name!r} has no split {split!r}; its splits are"
+                               f" {[s.name for s in info.splits]}")
+    raise CollectError(f"env server {replica.target} does not host {name!r}; it hosts"
+                       f" {[e.name for e in described.environments]}")
+
+
+class RolloutWriter:
+    """Appends finished rollouts: judged ones to the output, INFRA_ERROR ones to the failures
+    file; skips ids the output already holds."""
+
+    def __init__(self, output: Path, failures: Path) -> None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        drop_torn_tail(output)
+        self.done = {record.rollout_id for record in read_rollouts(output)}
+        self._output: IO[str] = output.open("a", encoding="utf-8")
+        self._failures: IO[str] = failures.open("w", encoding="utf-8")
+        self.written = self.failed = 0
+
+    def write(self, group: RolloutGroup) -> list[RolloutRecord]:
+        """The rollouts of `group` that were new, after writing them."""
+        new = [r for r in group.rollouts if r.rollout_id not in self.done]
+        for record in new:
+            sink = self._failures if record.status is RolloutStatus.INFRA_ERROR else self._output
+            sink.write(record.to_json_line())
+            if record.status is RolloutStatus.INFRA_ERROR:
+                self.failed += 1
+            else:
+                self.done.add(record.rollout_id)
+                self.written += 1
+        self._output.flush()
+        self._failures.flush()
+        return new
+
+    def close(self) -> None:
+        self._output.close()
+        self._failures.close()
+
+
+def pending_tasks(env_name: str, split: str, count: int, samples: int, done: set[str]) -> list[TaskKey]:
+    """Tasks with at least one sample missing from the output (the whole group runs again; only
+    the missing samples are written)."""
+    tasks = tasks_of(env_name, split, count)
+    return [t for t in tasks if any(t.rollout_id(s) not in done for s in range(samples))]
+
+
+async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[str], tasks: str, output: Path,
+                         limit: int | None, samples: int, concurrency: int, config: CollectConfig) -> CollectSummary:
+    env_name, split = parse_tasks(tasks)
+    failures_path, summary_path = output_paths(output)
+    interceptors = client_interceptors(config.tracing)
+    options = config.replicas.model_dump()
+    started = time.monotonic()
+    async with env_pool(env_targets, interceptors=interceptors, **options) as env, \
+            policy_pool(policy_targets, interceptors=interceptors, **options) as policy:
+        size = await split_size(env, env_name, split, config.deadlines.describe_s)
+        count = size if limit is None else min(limit, size)
+        writer = RolloutWriter(output, failures_path)
+        todo = pending_tasks(env_name, split, count, samples, writer.done)
+        log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",
+                 len(todo), count, samples, len(writer.done), output)
+        rewards: list[float] = []
+        bar = tqdm(total=len(todo) * samples, unit="rollout", disable=not config.progress, dynamic_ncols=True)
+        try:
+            async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
+                                       sampling=config.sampling, max_steps=config.max_steps,
+                                       max_tokens=config.max_tokens, retries=config.retries,
+                                       deadlines=config.deadlines):
+                writer.write(group)
+                rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
+                bar.update(len(group.rollouts))
+                bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+                                errors=writer.failed)
+        finally:
+            bar.close()
+            writer.close()
+    summary = summarize(read_rollouts(output), writer.failed, success_reward=config.success_reward,
+                        seconds=time.monotonic() - started, finished_this_run=writer.written + writer.failed)
+    summary_path.write_text(summary.model_dump_json(indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: CollectSummary, output: Path, console: Console | None = None) -> None:
+    table = Table(title=f"sciproto collect: {output}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    mean = "-" if summary.mean_reward is None else f"{summary.mean_reward:.4f}"
+    rows = [("rollouts", str(summary.rollouts)), ("groups", str(summary.groups)),
+            ("scored / unscored", f"{summary.scored} / {summary.unscored}"),
+            ("infra errors (this run)", str(summary.infra_errors)), ("mean reward (scored)", mean),
+            *((name, f"{value:.4f}") for name, value in summary.pass_at_k.items()),
+            ("prompt / completion tokens", f"{summary.tokens['prompt']} / {summary.tokens['completion']}"),
+            ("rollouts/s (this run)", f"{summary.rollouts_per_s:.2f}")]
+    for name, value in rows:
+        table.add_row(name, value)
+    (console or Console()).print(table)
+
+
+def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: int | None = None,
+         samples: int = 1, concurrency: int = 16, config: str | None = None,
+         overrides: Sequence[str] = ()) -> CollectSummary:
+    """`sciproto collect`: see the module docstring."""
+    if samples < 1 or concurrency < 1:
+        raise CollectError(f"--samples ({samples}) and --concurrency ({concurrency}) must be at least 1")
+    if limit is not None and limit < 0:
+        raise CollectError(f"--limit must be >= 0, got {limit}")
+    settings = load_config(CollectConfig, config, list(overrides))
+    setup_tracing(settings.tracing, "sciproto-rollout")
+    try:
+        summary = asyncio.run(run_collection(env, policy, tasks, Path(output), limit, samples, concurrency, settings))
+    finally:
+        shutdown_tracing()
+    print_summary(summary, Path(output))
+    return summary
+
+
+__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]

@@ -1,0 +1,272 @@
+"""Rollout records: the JSON line format shared by `sciproto collect`, the viewer and training,
+and the token bookkeeping that builds one trajectory from several Generate turns.
+
+One JSON object per line, UTF-8:
+
+    {"schema": "sciproto.rollout/1",
+     "rollout_id": "gsm8k/test/3/0",       # env/split/index/sample: unique key, used to resume
+     "group_id": "gsm8k/test/3",           # the samples of one task form a group
+     "env": "gsm8k", "split": "test", "index": 3, "sample": 0,
+     "task": {"question": "..."},          # the env's task summary (strings)
+     "status": "SCORED" | "UNSCORED" | "INFRA_ERROR",
+     "reward": 1.0, "reward_components": {"correct": 1.0}, "reward_detail": "",
+     "terminated": true, "truncated": false, "steps": 2,
+     "messages": [{"role": "system|user|assistant|tool", "content": "...",
+                   "tool_calls": [{"id": "...", "name": "...", "arguments": "{json}"}],
+                   "tool_call_id": "", "name": ""}, ...],
+     "token_ids": [...], "loss_mask": [...], "logprobs": [...],  # whole trajectory, aligned
+     "version_spans": [[start, end, version], ...],             # indices into token_ids
+     "tokens": {"prompt": 120, "completion": 40},
+     "policy_version": {"min": 3, "max": 4},
+     "seconds": 1.73, "trace_id": "32 hex chars or empty", "error": null | "what failed",
+     "finished_at": "ISO 8601 UTC"}
+
+`loss_mask` is 1 for tokens the policy sampled and 0 for prompt and environment tokens;
+`logprobs` is the sampling log-probability where the mask is 1 and 0 elsewhere. An INFRA_ERROR
+rollout (the environment failed, or a server stayed unreachable) must never be trained on; its
+reward is 0 only as a placeholder and `error` says what failed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from sciproto.pb import common_pb2
+
+SCHEMA = "sciproto.rollout/1"
+
+
+class RolloutStatus(StrEnum):
+    SCORED = "SCORED"
+    UNSCORED = "UNSCORED"
+    INFRA_ERROR = "INFRA_ERROR"
+
+
+_STATUS_FROM_PB = {
+    common_pb2.REWARD_STATUS_SCORED: RolloutStatus.SCORED,
+    common_pb2.REWARD_STATUS_UNSCORED: RolloutStatus.UNSCORED,
+    common_pb2.REWARD_STATUS_UNSPECIFIED: RolloutStatus.UNSCORED,  # the proto says: treat as UNSCORED
+    common_pb2.REWARD_STATUS_INFRA_ERROR: RolloutStatus.INFRA_ERROR,
+}
+_ROLE_NAMES = {
+    common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user",
+    common_pb2.ROLE_ASSISTANT: "assistant", common_pb2.ROLE_TOOL: "tool",
+}
+
+
+def status_from_pb(status: int) -> RolloutStatus:
+    return _STATUS_FROM_PB[status]
+
+
+@dataclass(frozen=True, order=True)
+class TaskKey:
+    """One task of an environment's dataset."""
+
+    env: str
+    split: str
+    index: int
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.env}/{self.split}/{self.index}"
+
+    def rollout_id(self, sample: int) -> str:
+        return f"{self.group_id}/{sample}"
+
+
+class ToolCallRecord(BaseModel):
+    id: str = ""
+    name: str
+    arguments: str = Field(description="JSON object as text, verbatim as the model wrote it")
+
+
+class MessageRecord(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    tool_call_id: str = ""
+    name: str = ""
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.ChatMessage) -> MessageRecord:
+        if message.role not in _ROLE_NAMES:
+            raise ValueError(f"chat message has no role (got {message.role}); the server must set one")
+        return cls(
+            role=_ROLE_NAMES[message.role],  # type: ignore[arg-type]
+            content=message.content,
+            tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls],
+            tool_call_id=message.tool_call_id,
+            name=message.name,
+        )
+
+
+class TokenCounts(BaseModel):
+    prompt: int = Field(0, description="Tokens the policy did not sample: prompt and environment turns")
+    completion: int = Field(0, description="Tokens the policy sampled (loss_mask 1)")
+
+
+class VersionRange(BaseModel):
+    min: int | None = None
+    max: int | None = None
+
+
+class RolloutRecord(BaseModel):
+    """One line of a rollout file."""
+
+    schema_: Literal["sciproto.rollout/1"] = Field(SCHEMA, alias="schema")
+    rollout_id: str
+    group_id: str
+    env: str
+    split: str
+    index: int = Field(ge=0)
+    sample: int = Field(ge=0)
+    task: dict[str, str] = Field(default_factory=dict)
+    status: RolloutStatus
+    reward: float = 0.0
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    reward_detail: str = ""
+    terminated: bool = False
+    truncated: bool = False
+    steps: int = 0
+    messages: list[MessageRecord] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    version_spans: list[tuple[int, int, int]] = Field(default_factory=list)
+    tokens: TokenCounts = Field(default_factory=TokenCounts)
+    policy_version: VersionRange = Field(default_factory=VersionRange)
+    seconds: float = 0.0
+    trace_id: str = ""
+    error: str | None = None
+    finished_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    model_config = {"populate_by_name": True}
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutRecord:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"rollout {self.rollout_id}: token_ids ({n}), loss_mask ({len(self.loss_mask)})"
+                             f" and logprobs ({len(self.logprobs)}) must have the same length")
+        if any(start < 0 or end > n or start >= end for start, end, _ in self.version_spans):
+            raise ValueError(f"rollout {self.rollout_id}: version_spans must lie within token_ids [0, {n})")
+        if self.status is RolloutStatus.INFRA_ERROR and not self.error:
+            raise ValueError(f"rollout {self.rollout_id}: an INFRA_ERROR rollout must say what failed in `error`")
+        return self
+
+    def to_json_line(self) -> str:
+        return self.model_dump_json(by_alias=True) + "\n"
+
+
+@dataclass
+class RolloutGroup:
+    """The samples of one task, in sample order: the unit GRPO normalises advantages over."""
+
+    task: TaskKey
+    rollouts: list[RolloutRecord]
+
+    @property
+    def group_id(self) -> str:
+        return self.task.group_id
+
+    @property
+    def complete(self) -> bool:
+        """Every sample was judged or left unjudged by the environment (none failed)."""
+        return all(r.status is not RolloutStatus.INFRA_ERROR for r in self.rollouts)
+
+
+class TokenDriftError(ValueError):
+    """A turn's prompt does not extend the trajectory so far token for token."""
+
+
+@dataclass
+class Trajectory:
+    """Whole-trajectory tokens built turn by turn.
+
+    Turn k's prompt must start with every token of turns < k (prompt + completion): the policy
+    server extends `previous_token_ids` instead of re-tokenizing. The new prompt tokens are
+    environment tokens (mask 0); the completion tokens are policy tokens (mask 1).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def add_turn(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                 logprobs: Sequence[float], spans: Sequence[common_pb2.VersionSpan]) -> None:
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(f"the policy returned {len(logprobs)} logprobs for {len(completion_ids)} tokens")
+        known = len(self.token_ids)
+        if list(prompt_ids[:known]) != self.token_ids:
+            mismatch = next((i for i, (a, b) in enumerate(zip(prompt_ids, self.token_ids)) if a != b),
+                            min(len(prompt_ids), known))
+            raise TokenDriftError(f"the policy's prompt diverges from the previous turn's tokens at index"
+                                  f" {mismatch} of {known}; the policy server must extend previous_token_ids")
+        added = list(prompt_ids[known:])
+        self.token_ids += added
+        self.loss_mask += [0] * len(added)
+        self.logprobs += [0.0] * len(added)
+        # VersionSpan indices count completion tokens; shift them to trajectory indices.
+        offset = len(self.token_ids)
+        self.version_spans += [(offset + s.start, offset + s.end, s.policy_version) for s in spans if s.end > s.start]
+        self.token_ids += completion_ids
+        self.loss_mask += [1] * len(completion_ids)
+        self.logprobs += [float(x) for x in logprobs]
+
+    @property
+    def counts(self) -> TokenCounts:
+        completion = sum(self.loss_mask)
+        return TokenCounts(prompt=len(self.token_ids) - completion, completion=completion)
+
+    @property
+    def versions(self) -> VersionRange:
+        versions = [version for _, _, version in self.version_spans]
+        return VersionRange(min=min(versions), max=max(versions)) if versions else VersionRange()
+
+
+def read_rollouts(path: Path) -> Iterator[RolloutRecord]:
+    """Records of a rollout file. A last line without its newline (a write cut short by a crash)
+    is skipped; any other bad line is an error naming it."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.endswith("\n"):
+                return  # the torn tail of an interrupted append
+            if not line.strip():
+                continue
+            try:
+                yield RolloutRecord.model_validate(json.loads(line))
+            except ValueError as error:
+                raise ValueError(f"{path}:{number} is not a {SCHEMA} record: {error}") from error
+
+
+def drop_torn_tail(path: Path, chunk_bytes: int = 1 << 16) -> None:
+    """Cut a last line that lacks its newline, so appends start on a fresh line. Reads the file
+    backwards in chunks, so a large file costs only its tail."""
+    if not path.exists():
+        return
+    with path.open("rb+") as file:
+        end = file.seek(0, 2)
+        position = end
+        while position > 0:
+            start = max(0, position - chunk_bytes)
+            file.seek(start)
+            chunk = file.read(position - start)
+            if position == end and chunk.endswith(b"\n"):
+                return
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                file.truncate(start + newline + 1)
+                return
+            position = start
+        file.truncate(0)
