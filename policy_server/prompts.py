@@ -23,8 +23,14 @@ def prompt_token_ids(
     if request.previous_token_ids is None:
         return tokenizer.encode(full, add_special_tokens=False)
     _check_ids(request.previous_token_ids, len(tokenizer))
-    suffix = _text_after_previous_turn(tokenizer, request.messages, tools, full, stop_token_ids,
-                                       request.previous_token_ids[-1] in stop_token_ids)
+    suffix = _text_after_previous_turn(
+        tokenizer,
+        request.messages,
+        tools,
+        full,
+        stop_token_ids,
+        request.previous_token_ids[-1] in stop_token_ids,
+    )
     return list(request.previous_token_ids) + tokenizer.encode(suffix, add_special_tokens=False)
 
 
@@ -54,7 +60,7 @@ def openai_function_tool(tool: dict[str, Any]) -> dict[str, Any]:
             f"or the bare function schema; got keys {sorted(tool)}"
         )
     if not isinstance(function.get("name"), str):
-        raise ValueError(f"tool function has no string name: {function!r}")
+        raise ValueError(f"tool function has no string name: {function!r}")  # noqa: TRY004 -- bad request content
     return {"type": "function", "function": function}
 
 
@@ -77,7 +83,9 @@ def _text_after_previous_turn(
     )
     if last_assistant is None:
         raise ValueError("previous_token_ids given but messages hold no assistant turn to extend")
-    history = render_chat(tokenizer, messages[: last_assistant + 1], tools, add_generation_prompt=False)
+    history = render_chat(
+        tokenizer, messages[: last_assistant + 1], tools, add_generation_prompt=False
+    )
     if not full.startswith(history):
         raise ValueError(
             "the chat template does not render the conversation up to the last assistant message "
@@ -89,7 +97,7 @@ def _text_after_previous_turn(
         raise ValueError("the rendered assistant turn does not end with a stop token")
     if previous_ended_with_stop_token:
         end += len(stop_text)
-    return history[end:] + full[len(history):]
+    return history[end:] + full[len(history) :]
 
 
 def _check_ids(ids: list[int], vocab_size: int) -> None:

@@ -187,13 +187,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name (e.g. float32, bfloat16)")
+        raise ValueError(f"{name!r} is not a torch dtype name (e.g. float32, bfloat16)")  # noqa: TRY004 -- bad request content
     return dtype
 
 
-def validate_weight_update(
-    manifest: list[TensorSpec], tensors: Mapping[str, torch.Tensor]
-) -> None:
+def validate_weight_update(manifest: list[TensorSpec], tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong
     shape or dtype. A backend calls this before it touches any weight."""
     expected = {spec.name: spec for spec in manifest}

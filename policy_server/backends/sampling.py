@@ -50,5 +50,7 @@ def sample_next_tokens(
         raw = torch.log_softmax(logits, dim=-1)
         greedy_tokens = raw.argmax(dim=-1)
         tokens = torch.where(greedy, greedy_tokens, tokens)
-        logprobs = torch.where(greedy, raw.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1), logprobs)
+        logprobs = torch.where(
+            greedy, raw.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1), logprobs
+        )
     return tokens, logprobs

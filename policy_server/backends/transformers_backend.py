@@ -40,8 +40,18 @@ from policy_server.types import (
     validate_weight_update,
 )
 
-CAPABILITIES = ["chat", "prompt_token_ids", "tool_calls", "logprobs", "multi_turn_token_ids",
-                "n_samples", "seed", "stop_strings", "weight_updates", "version_spans"]
+CAPABILITIES = [
+    "chat",
+    "prompt_token_ids",
+    "tool_calls",
+    "logprobs",
+    "multi_turn_token_ids",
+    "n_samples",
+    "seed",
+    "stop_strings",
+    "weight_updates",
+    "version_spans",
+]
 
 
 @dataclass
@@ -141,7 +151,9 @@ class TransformersBackend:
             supports_weight_updates=True,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | SampleResult]:
+    async def generate(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[TokenDelta | SampleResult]:
         if self._closed:
             raise RuntimeError("backend is closed")
         prompt = prompt_token_ids(self._tokenizer, request, self._stop_ids)
@@ -177,7 +189,9 @@ class TransformersBackend:
     async def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         validate_weight_update(self._manifest, tensors)
         if version <= self._version:
-            raise ValueError(f"version {version} is not newer than the serving version {self._version}")
+            raise ValueError(
+                f"version {version} is not newer than the serving version {self._version}"
+            )
         if self._closed:
             raise RuntimeError("backend is closed")
         update = _WeightUpdate(version, tensors, Future())
@@ -197,7 +211,9 @@ class TransformersBackend:
 
     def _start_engine(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="transformers-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="transformers-engine", daemon=True
+            )
             self._thread.start()
 
     def _run(self) -> None:
@@ -213,7 +229,7 @@ class TransformersBackend:
                 return
             try:
                 self._step()
-            except Exception as error:  # a failed forward fails its callers, not the engine
+            except Exception as error:  # noqa: BLE001 -- a failed forward fails its callers, not the engine
                 self._fail_everything(error)
 
     def _take_commands(self) -> list:
@@ -247,7 +263,7 @@ class TransformersBackend:
                 self._version = update.version
             for row in self._rows:
                 row.version_marks.append((len(row.tokens), update.version))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 -- handed to the caller awaiting the update
             update.done.set_exception(error)
         else:
             update.done.set_result(None)
@@ -291,7 +307,9 @@ class TransformersBackend:
     def _admit_waiting_jobs(self) -> list[_Job]:
         """Waiting jobs whose samples fit in the batch, in arrival order."""
         joining, room = [], self._max_batch_rows - len(self._rows)
-        while self._waiting and (self._waiting[0].sampling.n <= room or not (self._rows or joining)):
+        while self._waiting and (
+            self._waiting[0].sampling.n <= room or not (self._rows or joining)
+        ):
             job = self._waiting.pop(0)
             if job.cancelled:
                 continue
@@ -407,7 +425,9 @@ class TransformersBackend:
         self._rows = [self._rows[index] for index in keep]
         if keep:
             self._batch.select(torch.tensor(keep))
-            self._next_tokens = self._next_tokens[torch.tensor(keep, device=self._next_tokens.device)]
+            self._next_tokens = self._next_tokens[
+                torch.tensor(keep, device=self._next_tokens.device)
+            ]
         else:
             self._batch, self._next_tokens = None, None
 
@@ -415,7 +435,9 @@ class TransformersBackend:
         outbox: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for row in self._rows:
             text = self._tokenizer.decode(row.tokens)
-            outbox[row.job.loop].append((row.job.events, self._result(row, FinishReason.ABORT, text)))
+            outbox[row.job.loop].append(
+                (row.job.events, self._result(row, FinishReason.ABORT, text))
+            )
         for job in self._waiting:
             error = RuntimeError("backend closed before the request started")
             outbox[job.loop].append((job.events, error))
@@ -445,5 +467,3 @@ def _version_spans(marks: list[tuple[int, int]], length: int) -> list[VersionSpa
         for (start, version), end in zip(marks, ends)
         if end > start
     ]
-
-

@@ -68,7 +68,9 @@ def chatml_tool_template(default_system: str | None = None) -> str:
     """The template text; `default_system` is the system text used when the conversation has no
     system message (None: no system turn unless tools are given)."""
     return (
-        _TEMPLATE.replace("DEFAULT_SYSTEM", json.dumps(default_system) if default_system else "none")
+        _TEMPLATE.replace(
+            "DEFAULT_SYSTEM", json.dumps(default_system) if default_system else "none"
+        )
         .replace("TOOLS_PREAMBLE", json.dumps(TOOLS_PREAMBLE))
         .replace("TOOLS_POSTAMBLE", json.dumps(TOOLS_POSTAMBLE))
         .strip()

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from policy_server.models.byte_tokenizer import build_byte_tokenizer
 from policy_server.models.chat_template import chatml_tool_template
@@ -60,11 +65,17 @@ def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
     """The model's end-of-sequence ids plus the tokenizer's: chat models end a turn with one and
     end a document with the other."""
     ids: set[int] = set()
-    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+    for source in (
+        model.generation_config.eos_token_id,
+        model.config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
             ids.update(source)
     if not ids:
-        raise ValueError("the model and tokenizer name no end-of-sequence token; cannot stop samples")
+        raise ValueError(
+            "the model and tokenizer name no end-of-sequence token; cannot stop samples"
+        )
     return frozenset(ids)

@@ -7,7 +7,12 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from policy_server.models.chat_template import chatml_tool_template
 
@@ -27,7 +32,9 @@ def smollm2_gguf_path() -> Path:
 
 def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
     gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
     # SmolLM2's template is plain ChatML without tools; ours renders the same text for plain
     # conversations and adds the Hermes tools block and tool-call turns.
     tokenizer.chat_template = chatml_tool_template(SMOLLM2_DEFAULT_SYSTEM)

@@ -25,7 +25,10 @@ def build_tiny_model(seed: int, dtype: torch.dtype) -> PreTrainedModel:
         # rather than near-uniform, which makes sampling behaviour visible in tests.
         initializer_range=0.2,
         tie_word_embeddings=True,
-        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
+        eos_token_id=[
+            tokenizer.convert_tokens_to_ids(IM_END),
+            tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        ],
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )

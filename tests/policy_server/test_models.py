@@ -7,8 +7,16 @@ from policy_server.models.smollm2 import smollm2_gguf_path
 from policy_server.prompts import render_chat
 from policy_server.types import ChatMessage, ToolCall
 
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
-          "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
+    }
+]
 
 
 def test_byte_tokenizer_round_trips_and_keeps_special_tokens_whole():
@@ -32,7 +40,10 @@ def test_chat_template_renders_every_role_tools_and_generation_prompt():
     text = render_chat(tokenizer, messages, TOOLS, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert '"name": "calc"' in text.split("\n</tools>")[0]
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call><|im_end|>\n' in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call><|im_end|>\n'
+        in text
+    )
     assert "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert not render_chat(tokenizer, messages[1:2], [], False).startswith("<|im_start|>system")
@@ -43,8 +54,10 @@ def test_tiny_model_is_seeded():
     first = next(a.model.parameters())
     assert torch.equal(first, next(b.model.parameters()))
     assert not torch.equal(first, next(c.model.parameters()))
-    assert a.stop_token_ids == {a.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                a.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    assert a.stop_token_ids == {
+        a.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        a.tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
 
 
 def test_smollm2_loads_offline_and_its_template_matches_the_original(monkeypatch):
@@ -54,12 +67,17 @@ def test_smollm2_loads_offline_and_its_template_matches_the_original(monkeypatch
     assert loaded.model.dtype == torch.bfloat16
     field = GGUFReader(smollm2_gguf_path()).fields["tokenizer.chat_template"]
     original_template = bytes(field.parts[field.data[0]]).decode()
-    conversation = [ChatMessage("user", "What is 2+2?"), ChatMessage("assistant", "4"),
-                    ChatMessage("user", "And 3+3?")]
+    conversation = [
+        ChatMessage("user", "What is 2+2?"),
+        ChatMessage("assistant", "4"),
+        ChatMessage("user", "And 3+3?"),
+    ]
     ours = render_chat(loaded.tokenizer, conversation, [], add_generation_prompt=True)
     theirs = loaded.tokenizer.apply_chat_template(
-        [m.to_template_dict() for m in conversation], chat_template=original_template,
-        tokenize=False, add_generation_prompt=True,
+        [m.to_template_dict() for m in conversation],
+        chat_template=original_template,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert ours == theirs
     with_tools = render_chat(loaded.tokenizer, conversation, TOOLS, add_generation_prompt=True)

@@ -38,4 +38,6 @@ def test_zero_temperature_is_greedy_next_to_sampled_rows():
         logits, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.5]), torch.tensor([0.99, 0.99])
     )
     assert tokens[0] == 1 and torch.isclose(logprobs[0], torch.log_softmax(logits[0], -1)[1])
-    assert tokens[1] == 1 and torch.isclose(logprobs[1], torch.tensor(0.0), atol=1e-6)  # top-p keeps only token 1
+    assert tokens[1] == 1 and torch.isclose(
+        logprobs[1], torch.tensor(0.0), atol=1e-6
+    )  # top-p keeps only token 1

@@ -52,11 +52,15 @@ def test_chat_template_writes_calls_as_render_tool_call_does_and_they_parse_back
     message = {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": arguments}}],
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": arguments}}
+        ],
     }
     rendered = tokenizer.apply_chat_template([message], tokenize=False)
     assert render_tool_call("calc", arguments) in rendered
-    parsed = parse_completion(rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n"))
+    parsed = parse_completion(
+        rendered.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+    )
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
         ("calc", {"expr": "6*7", "note": "é"})
     ]
