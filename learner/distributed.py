@@ -80,8 +80,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-    if current_context().is_distributed:
-        dist.all_reduce(tensor, op=op)
+    """In place across ranks (no-op in one process); NCCL reduces a CUDA copy of CPU tensors."""
+    if not current_context().is_distributed:
+        return tensor
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=op)
+        return tensor.copy_(on_device)
+    dist.all_reduce(tensor, op=op)
     return tensor
 
 
