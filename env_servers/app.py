@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -52,6 +53,9 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
 
 async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource]) -> None:
     service = EnvironmentService(settings, sources)
+    # Everything imported so far (Aviary, litellm, pandas) lives as long as the process: keep it
+    # out of the collector's full passes, which otherwise walk it while serving and at exit.
+    gc.freeze()
     service.start()
     running = await start_server(
         settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)])

@@ -45,7 +45,7 @@ _ROLE_TO_AVIARY = {
 def message_to_proto(message: Message) -> common_pb2.ChatMessage:
     """One Aviary message as a ChatMessage; None content becomes empty text."""
     proto = common_pb2.ChatMessage(
-        role=_ROLE_FROM_AVIARY.get(message.role, common_pb2.ROLE_USER), content=message.content or ""
+        role=_ROLE_FROM_AVIARY.get(message.role, common_pb2.ROLE_USER), content=_text(message)
     )
     if isinstance(message, ToolRequestMessage):
         for call in message.tool_calls:
@@ -56,6 +56,21 @@ def message_to_proto(message: Message) -> common_pb2.ChatMessage:
         proto.tool_call_id = message.tool_call_id
         proto.name = message.name
     return proto
+
+
+def _text(message: Message) -> str:
+    """The message's content as text. Multimodal content made only of text parts (Aviary's
+    notebook sends its state that way) is joined into plain text; content with other parts
+    (images) stays the JSON list Aviary made of it."""
+    if not message.content_is_json_str or not message.content:
+        return message.content or ""
+    try:
+        parts = json.loads(message.content)
+    except json.JSONDecodeError:
+        return message.content
+    if isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        return "\n".join(str(part.get("text", "")) for part in parts)
+    return message.content
 
 
 def messages_to_proto(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:

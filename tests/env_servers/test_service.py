@@ -1,0 +1,311 @@
+"""EnvironmentService on a real server process: episodes over unary calls and Session streams,
+serialization, idempotent retries, deadlines, bad input and error semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from clients.env_client import EnvClient, new_request_id, tool_calls_action
+from sciproto.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    Unimplemented,
+)
+from sciproto.pb import common_pb2, env_grpc, env_pb2
+from sciproto.processes import ServerProcess
+from tests.env_servers.conftest import live_episodes, wait_for_live_episodes
+
+SCORED = common_pb2.REWARD_STATUS_SCORED
+
+
+def calculator(expr: str) -> common_pb2.ChatMessage:
+    return tool_calls_action(("calculator", {"expr": expr}))
+
+
+def submit(answer: str) -> common_pb2.ChatMessage:
+    return tool_calls_action(("submit_answer", {"answer": answer}))
+
+
+def edit_cell(code: str) -> common_pb2.ChatMessage:
+    return tool_calls_action(("edit_cell", {"contents": code}))
+
+
+def text(messages: list[common_pb2.ChatMessage]) -> str:
+    return "\n".join(message.content for message in messages)
+
+
+async def test_describe_reports_versions_envs_splits_and_limits(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        described = await client.describe()
+        await client.close((await client.reset("gsm8k", split="test", index=1)).episode_id)
+        tools = {env.name: [tool.name for tool in env.tools] for env in (await client.describe()).environments}
+    assert described.server.protocol_version.startswith("1.")
+    assert "session" in described.server.capabilities
+    assert described.server.limits.max_receive_message_bytes > 0
+    splits = {env.name: {s.name: s.size for s in env.splits} for env in described.environments}
+    assert splits["gsm8k"] == {"train": 250, "test": 60}
+    assert set(splits) == {"gsm8k", "notebook"}
+    assert described.limits.max_live_episodes > 0 and described.limits.idle_ttl_seconds > 0
+    assert tools["gsm8k"] == ["calculator", "submit_answer"]  # known once a gsm8k episode was reset
+
+
+async def test_gsm8k_episode_over_unary_calls(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="test", index=0)
+        assert [tool.name for tool in reset.tools] == ["calculator", "submit_answer"]
+        assert reset.observations[0].content == reset.task_summary["question"]
+        schema = reset.tools[0].parameters_json_schema
+        assert '"expr"' in schema and '"object"' in schema
+
+        step = await client.step(reset.episode_id, calculator("6 * 7"))
+        assert (step.observations[0].role, step.observations[0].content) == (common_pb2.ROLE_TOOL, "42")
+        assert (step.terminated, step.step_count) == (False, 1)
+
+        step = await client.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        assert (step.reward.value, step.reward.status, step.terminated) == (1.0, SCORED, True)
+
+        verified = await client.verify(reset.episode_id)
+        assert (verified.reward.value, verified.reward.status) == (1.0, SCORED)
+        with pytest.raises(FailedPrecondition) as finished:
+            await client.step(reset.episode_id, calculator("1"))
+        assert finished.value.reason == Reason.EPISODE_FINISHED
+        assert (await client.close(reset.episode_id)).closed
+        assert not (await client.close(reset.episode_id)).closed  # closing twice is fine
+
+
+async def test_plain_reply_is_a_message_not_an_empty_tool_request(env_server: ServerProcess) -> None:
+    """CalculatorEnv answers a plain reply with its no-tool-calls response (reward 0), while an
+    empty tool request would be a failed tool call (reward -1)."""
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="test", index=2)
+        reply = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content="I think it is 5.")
+        step = await client.step(reset.episode_id, reply)
+        await client.close(reset.episode_id)
+    assert step.reward.value == 0.0 and step.reward.status == SCORED
+
+
+async def test_gsm8k_episodes_over_one_session(env_server: ServerProcess) -> None:
+    async def episode(session, index: int) -> tuple[float, float]:
+        reset = await session.reset("gsm8k", split="train", index=index)
+        await session.step(reset.episode_id, calculator("2 + 2"))
+        step = await session.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        verified = await session.verify(reset.episode_id)
+        assert (await session.close(reset.episode_id)).closed
+        return step.reward.value, verified.reward.value
+
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        rewards = await asyncio.gather(*(episode(session, index) for index in range(6)))
+    assert rewards == [(1.0, 1.0)] * 6
+
+
+async def test_notebook_episode_with_correct_answer(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        reset = await session.reset("notebook", split="test", index=0)
+        assert {tool.name for tool in reset.tools} >= {"edit_cell", "submit_answer"}
+        files = reset.task_summary["files"]
+        step = await session.step(reset.episode_id, edit_cell(
+            f"import json, pandas as pd\nprint([len(pd.read_csv(f)) for f in json.loads({files!r})])"))
+        assert step.reward.status == SCORED and not step.terminated
+        assert "Cell 0" in text(step.observations) and "Error" not in text(step.observations)
+        step = await session.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        assert (step.reward.value, step.terminated) == (1.0, True)
+        assert dict(step.reward.components) == {"correct": 1.0}
+
+
+async def test_steps_on_one_episode_are_serialized_and_heartbeats_flow(env_server: ServerProcess) -> None:
+    """Two steps sent at once on one episode: the second starts only after the first finished,
+    so the first one's notebook shows only its own cell. The slow first step gets heartbeats."""
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        reset = await session.reset("notebook", split="test", index=1)
+        first, second = await asyncio.gather(
+            session.step(reset.episode_id, edit_cell("import time\ntime.sleep(0.8)\nprint('first cell ran')")),
+            session.step(reset.episode_id, edit_cell("print('second cell ran')")),
+        )
+        heartbeat = session.last_heartbeat
+    assert (first.step_count, second.step_count) == (1, 2)
+    assert "first cell ran" in text(first.observations)
+    assert "second cell ran" not in text(first.observations)
+    assert "first cell ran" in text(second.observations) and "second cell ran" in text(second.observations)
+    assert heartbeat is not None and heartbeat.heartbeat.elapsed_seconds >= 0.2
+
+
+async def test_a_slow_step_does_not_hold_up_other_episodes(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        slow = await session.reset("notebook", split="test", index=2)
+        fast = await session.reset("gsm8k", split="test", index=3)
+        slow_step = asyncio.ensure_future(session.step(slow.episode_id, edit_cell("import time\ntime.sleep(1.5)")))
+        fast_steps = [await session.step(fast.episode_id, calculator(f"{i} + 1")) for i in range(3)]
+        assert not slow_step.done()  # three fast steps were answered while the slow one ran
+        assert (await slow_step).step_count == 1
+    assert [step.observations[0].content for step in fast_steps] == ["1", "2", "3"]
+
+
+async def test_retried_step_with_same_request_id_steps_once(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="test", index=4)
+        steps_before = (await client.describe()).counters.steps
+        request_id = new_request_id()
+        action = calculator("3 * 3")
+        first = await client.step(reset.episode_id, action, request_id=request_id)
+        retry = await client.step(reset.episode_id, action, request_id=request_id)
+        both = await asyncio.gather(*(client.step(reset.episode_id, action, request_id="same-twice")
+                                      for _ in range(2)))
+        steps_after = (await client.describe()).counters.steps
+        with pytest.raises(InvalidArgument) as reused:
+            await client.step(reset.episode_id, calculator("1 + 1"), request_id=request_id)
+        await client.close(reset.episode_id)
+    assert first == retry and first.step_count == 1
+    assert both[0] == both[1] and both[0].step_count == 2
+    assert steps_after - steps_before == 2
+    assert reused.value.reason == Reason.DUPLICATE_REQUEST
+
+
+async def test_deadline_is_honoured_and_the_retry_gets_the_first_result(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("notebook", split="test", index=3)
+        request_id = new_request_id()
+        slow = edit_cell("import time\ntime.sleep(1.5)\nprint('slept')")
+        with pytest.raises(DeadlineExceeded):
+            await client.step(reset.episode_id, slow, request_id=request_id, timeout=0.3)
+        retry = await client.step(reset.episode_id, slow, request_id=request_id, timeout=30)
+        assert retry.step_count == 1 and "slept" in text(retry.observations)
+        await client.close(reset.episode_id)
+
+
+async def test_agent_mistakes_get_tool_messages_and_malformed_requests_get_errors(
+    env_server: ServerProcess,
+) -> None:
+    async with EnvClient(env_server.target) as client:
+        mistakes = {
+            "unknown tool": common_pb2.ToolCall(id="a", name="browser", arguments='{"url": "x"}'),
+            "malformed JSON": common_pb2.ToolCall(id="b", name="calculator", arguments='{"expr": "1+'),
+            "not an object": common_pb2.ToolCall(id="c", name="calculator", arguments='["1+1"]'),
+            "wrong argument": common_pb2.ToolCall(id="d", name="calculator", arguments='{"expression": "1"}'),
+        }
+        answers = {}
+        for mistake, call in mistakes.items():
+            reset = await client.reset("gsm8k", split="test", index=5)
+            action = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, tool_calls=[call])
+            step = await client.step(reset.episode_id, action)
+            answers[mistake] = step
+            await client.close(reset.episode_id)
+
+        reset = await client.reset("gsm8k", split="test", index=5)
+        with pytest.raises(InvalidArgument) as wrong_role:
+            await client.step(reset.episode_id, common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content="hi"))
+        twice = common_pb2.ToolCall(id="same", name="calculator", arguments='{"expr": "1"}')
+        with pytest.raises(InvalidArgument) as duplicate_ids:
+            await client.step(reset.episode_id, common_pb2.ChatMessage(
+                role=common_pb2.ROLE_ASSISTANT, tool_calls=[twice, twice]))
+        assert (await client.step(reset.episode_id, calculator("2 * 21"))).observations[0].content == "42"
+        await client.close(reset.episode_id)
+        assert await live_episodes(env_server.target) == 0
+
+    for mistake, step in answers.items():
+        tool_message = step.observations[0]
+        assert tool_message.role == common_pb2.ROLE_TOOL, mistake
+        assert tool_message.tool_call_id == mistakes[mistake].id, mistake
+        assert tool_message.content.startswith("Invalid tool call"), mistake
+        assert step.reward.status == SCORED, mistake  # the agent's fault, judged as such
+    assert "calculator" in answers["unknown tool"].observations[0].content  # lists the real tools
+    assert "not valid JSON" in answers["malformed JSON"].observations[0].content
+    assert "expression" in answers["wrong argument"].observations[0].content
+    assert wrong_role.value.reason == duplicate_ids.value.reason == Reason.INVALID_ACTION
+    assert env_server.alive()
+
+
+async def test_unknown_names_and_indices_say_what_exists(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        with pytest.raises(NotFound) as env:
+            await client.reset("chess", split="test", index=0)
+        with pytest.raises(NotFound) as split:
+            await client.reset("gsm8k", split="validation", index=0)
+        with pytest.raises(InvalidArgument) as index:
+            await client.reset("gsm8k", split="test", index=60)
+        with pytest.raises(NotFound) as episode:
+            await client.step("no-such-episode", calculator("1"))
+        with pytest.raises(InvalidArgument) as inline:
+            await client.reset("gsm8k", inline={"question": "What is 2 + 2?"})
+    assert env.value.reason == Reason.UNKNOWN_ENVIRONMENT and "gsm8k" in env.value.message
+    assert split.value.reason == Reason.UNKNOWN_SPLIT and "test" in split.value.message
+    assert index.value.reason == Reason.TASK_OUT_OF_RANGE and "60 tasks" in index.value.message
+    assert episode.value.reason == Reason.EPISODE_NOT_FOUND and "expired" in episode.value.message
+    assert "answer" in inline.value.message
+
+
+async def test_session_answers_errors_in_band_and_keeps_going(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        with pytest.raises(NotFound) as missing:
+            await session.step("no-such-episode", calculator("1"))
+        with pytest.raises(InvalidArgument):
+            await session.reset("gsm8k", split="test", index=999)
+        reset = await session.reset("gsm8k", split="test", index=6)
+        assert (await session.step(reset.episode_id, calculator("5 - 3"))).observations[0].content == "2"
+    assert missing.value.reason == Reason.EPISODE_NOT_FOUND
+
+
+async def test_verify_stored_trajectories(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="test", index=7)
+        answer = reset.task_summary["answer"]
+        await client.close(reset.episode_id)
+        trajectory = env_pb2.StoredTrajectory(
+            env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=7),
+            messages=[*reset.observations, submit(answer)])
+        rescored = await client.verify(trajectory=trajectory)
+        del trajectory.messages[-1]
+        trajectory.messages.append(submit(str(float(answer) + 1)))
+        wrong = await client.verify(trajectory=trajectory)
+        inline = env_pb2.StoredTrajectory(env="gsm8k", inline_task=env_pb2.InlineTask(fields={"question": "q"}))
+        with pytest.raises(Unimplemented) as unsupported:
+            await client.verify(trajectory=inline)
+    assert (rescored.reward.value, rescored.reward.status) == (1.0, SCORED)
+    assert dict(rescored.reward.components) == {"correct": 1.0, "submitted": 1.0}
+    assert wrong.reward.value == 0.0
+    assert "Verify the live episode" in unsupported.value.message
+
+
+async def test_closing_or_cancelling_a_session_closes_its_episodes(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        outside = await client.reset("gsm8k", split="test", index=8)  # not the stream's to close
+        async with client.session() as session:
+            for index in range(3):
+                await session.reset("gsm8k", split="test", index=index)
+            assert await live_episodes(env_server.target) == 4
+        assert await wait_for_live_episodes(env_server.target, 1) == 1
+
+        async with client.session() as session:
+            await session.reset("notebook", split="test", index=4)
+            await session.reset("gsm8k", split="test", index=9)
+            session._call.cancel()  # as a client that dies would
+        assert await wait_for_live_episodes(env_server.target, 1) == 1
+        assert (await client.step(outside.episode_id, calculator("1 + 1"))).step_count == 1
+        await client.close(outside.episode_id)
+
+
+async def test_raw_session_stream_echoes_request_ids(env_server: ServerProcess) -> None:
+    """The wire contract without the Python client: answers carry request_id and episode_id,
+    and half-closing the stream ends it after the last answer."""
+    async with grpc.aio.insecure_channel(env_server.target) as channel:
+        call = env_grpc.EnvironmentServiceStub(channel).Session(timeout=30)
+        await call.write(env_pb2.SessionRequest(reset=env_pb2.ResetRequest(
+            request_id="r1", env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=10))))
+        reset = await call.read()
+        await call.write(env_pb2.SessionRequest(step=env_pb2.StepRequest(
+            request_id="s1", episode_id=reset.reset.episode_id, action=calculator("7 * 6"))))
+        await call.write(env_pb2.SessionRequest())  # no operation: an in-band error
+        await call.done_writing()
+        answers = []
+        while (answer := await call.read()) is not grpc.aio.EOF:
+            answers.append(answer)
+    assert (reset.request_id, reset.episode_id) == ("r1", reset.reset.episode_id)
+    by_kind = {answer.WhichOneof("result"): answer for answer in answers}
+    assert by_kind["step"].request_id == "s1" and by_kind["step"].episode_id == reset.reset.episode_id
+    assert by_kind["step"].step.observations[0].content == "42"
+    assert by_kind["error"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
