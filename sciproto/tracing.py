@@ -55,7 +55,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sciproto.pb import common_pb2
 from sciproto.tracing_jsonl import JsonlSpanExporter
@@ -66,6 +66,8 @@ ExporterName = Literal["none", "console", "otlp", "jsonl"]
 
 class TracingConfig(BaseModel):
     """Where a process sends its spans. The `tracing` section of every component's config."""
+
+    model_config = ConfigDict(extra="forbid")
 
     exporter: ExporterName = Field("none", description="none: tracing off, at no cost")
     otlp_endpoint: str = Field("http://127.0.0.1:4317", description="OTLP/gRPC collector (exporter otlp); http:// means plaintext")

@@ -208,6 +208,8 @@ def test_extract_context_prefers_metadata_and_ignores_malformed_values() -> None
 def test_config_errors_say_what_to_set() -> None:
     with pytest.raises(ValueError, match="tracing.jsonl_path"):
         TracingConfig(exporter="jsonl")
+    with pytest.raises(ValueError, match="exportr"):
+        TracingConfig.model_validate({"exportr": "jsonl"})
     with pytest.raises(RuntimeError, match="setup_tracing"):
         server_interceptors(TracingConfig(exporter="console"))
 
