@@ -26,6 +26,7 @@ spans cover their wait for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -389,11 +390,23 @@ class Episode:
         except Unavailable as error:
             raise EpisodeFailed(str(error), restartable=False) from error
         task, request_id = self.task, f"{self.attempt_id}/reset"
+        replica = self.replica
+
+        def reset(client: EnvClient, timeout: float) -> Awaitable[env_pb2.ResetResponse]:
+            return client.reset(task.env, split=task.split, index=task.index, request_id=request_id, timeout=timeout)
+
         with start_span(span_name(Operation.ENV_RESET, task.env), **{Attr.ENV_NAME: task.env}):
-            response: env_pb2.ResetResponse = await self._env_call(
-                "Reset", lambda client, timeout: client.reset(task.env, split=task.split, index=task.index,
-                                                              request_id=request_id, timeout=timeout),
-                self.settings.deadlines.reset_s)
+            try:
+                response = await self._env_call("Reset", reset, self.settings.deadlines.reset_s)
+            except asyncio.CancelledError:
+                # The server may have opened the episode without us learning its id. A Reset
+                # replayed with the same request_id names that episode (or opens one), so close it.
+                with contextlib.suppress(SciprotoError):
+                    orphan = await call_with_deadline(lambda t: reset(replica.client, t),
+                                                      self.settings.deadlines.close_s, "Reset replay")
+                    await call_with_deadline(lambda t: replica.client.close(orphan.episode_id, timeout=t),
+                                             self.settings.deadlines.close_s, "Close")
+                raise
         self.episode_id = response.episode_id
         self.transcript = list(response.observations)
         self.tools = list(response.tools)
