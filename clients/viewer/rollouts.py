@@ -48,6 +48,16 @@ def task_text(task: Any) -> str:
     return text if len(text) <= TASK_TEXT_CHARS else text[: TASK_TEXT_CHARS - 1] + "…"
 
 
+def reward_of(record: dict[str, Any]) -> float | None:
+    """The reward to show and count, or None. An INFRA_ERROR rollout's reward is
+    a placeholder (the environment failed): counting it would read a failure as
+    a wrong answer."""
+    reward = record.get("reward")
+    if record.get("status") == "INFRA_ERROR" or isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        return None
+    return reward
+
+
 def summarize(record: dict[str, Any], key: str) -> dict[str, Any]:
     """The table row of one rollout."""
     tokens = record.get("tokens") or {}
@@ -62,7 +72,7 @@ def summarize(record: dict[str, Any], key: str) -> dict[str, Any]:
         "index": record.get("index"),
         "sample": record.get("sample"),
         "status": record.get("status", ""),
-        "reward": record.get("reward") if isinstance(record.get("reward"), (int, float)) else None,
+        "reward": reward_of(record),
         "steps": record.get("steps"),
         "tokens": prompt + completion,
         "prompt_tokens": prompt,
@@ -79,6 +89,7 @@ def for_transcript(record: dict[str, Any]) -> dict[str, Any]:
     """The whole record, with per-token arrays replaced by their lengths."""
     shown = {key: value for key, value in record.items() if key not in TOKEN_ARRAYS}
     shown["token_counts"] = {name: len(record.get(name) or []) for name in TOKEN_ARRAYS}
+    shown["reward"] = reward_of(record)
     return finite(shown)
 
 

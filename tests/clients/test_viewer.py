@@ -46,7 +46,7 @@ def rollout(env: str, index: int, sample: int, status: str, reward: float | None
     return {
         "schema": "sciproto.rollout/1", "rollout_id": f"{env}/test/{index}/{sample}", "group_id": f"{env}/test/{index}",
         "env": env, "split": "test", "index": index, "sample": sample, "task": {"question": question},
-        "status": status, "reward": reward, "reward_components": {"correct": reward} if reward is not None else {},
+        "status": status, "reward": reward, "reward_components": {"correct": reward} if status != "INFRA_ERROR" else {},
         "reward_detail": "", "terminated": status != "INFRA_ERROR", "truncated": False,
         "steps": sum(m["role"] == "assistant" for m in messages), "messages": messages,
         "token_ids": list(range(tokens)), "loss_mask": [1] * tokens, "logprobs": [-0.5] * tokens,
@@ -86,7 +86,8 @@ def rollouts() -> list[dict[str, Any]]:
     ]
 
 
-FAILURE = rollout("gsm8k", 2, 0, "INFRA_ERROR", None, [SYSTEM, message("user", QUESTIONS[2])], QUESTIONS[2],
+# collect writes 0.0 as a placeholder reward; the viewer must not count it
+FAILURE = rollout("gsm8k", 2, 0, "INFRA_ERROR", 0.0, [SYSTEM, message("user", QUESTIONS[2])], QUESTIONS[2],
                   error="UNAVAILABLE: environment server 127.0.0.1:50051 unreachable after 4 attempts")
 
 
@@ -152,7 +153,7 @@ def test_api_pages_rows_of_both_files_and_reports_bad_lines(viewer: Viewer) -> N
     rows = first["rows"] + rest["rows"]
     assert [row["status"] for row in rows] == ["SCORED", "SCORED", "SCORED", "UNSCORED", "INFRA_ERROR"]
     assert rows[0]["tools"] == ["calculator", "submit_answer"] and rows[0]["tokens"] == 100
-    assert rows[4]["key"] == "failures:1" and "unreachable" in rows[4]["error"]
+    assert rows[4]["key"] == "failures:1" and "unreachable" in rows[4]["error"] and rows[4]["reward"] is None
     _, summary = viewer.get("/api/summary")
     assert summary["problems"] == ["out.jsonl line 5: not JSON (Expecting value: line 1 column 1 (char 0))"]
 
@@ -358,6 +359,7 @@ async def test_page_shows_filters_sorts_and_opens_transcripts(viewer: Viewer, ch
         error = await page.wait_for("document.querySelector('.detail-pane .error-box')?.textContent")
         assert "unreachable after 4 attempts" in error
         await page.wait_for("document.querySelector('.detail-header .badge')?.textContent === 'INFRA_ERROR'")
+        assert await page.evaluate("document.querySelector('.detail-reward').textContent") == "no reward"
         shot = await page.call("Page.captureScreenshot", format="png")
         (ARTIFACTS / "viewer-infra-error.png").write_bytes(base64.b64decode(shot["data"]))
     assert (ARTIFACTS / "viewer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
