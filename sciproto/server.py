@@ -126,16 +126,17 @@ async def start_server(
     role (see sciproto.auth.METHOD_ROLES); pass `auth_config.load()` instead
     of the config to read the tokens early, before slow start-up work.
 
-    Interceptor order: logging, errors, auth, then `interceptors` (tracing),
-    so errors raised by any of them get a proper status, and nothing after
-    auth runs for a refused call.
+    Interceptor order: `interceptors` (tracing) outermost, so an RPC span sees
+    the final status of the call; then logging, errors, auth, so errors raised
+    by any of them get a proper status and nothing after auth runs for a
+    refused call.
     """
     authenticator = auth.load() if isinstance(auth, AuthConfig) else auth
     if credentials is None and config.tls is not None:
         credentials = config.tls.credentials()
     security = [AuthInterceptor(authenticator)] if authenticator is not None else []
     server = grpc.aio.server(
-        interceptors=[LoggingInterceptor(), ErrorInterceptor(), *security, *interceptors],
+        interceptors=[*interceptors, LoggingInterceptor(), ErrorInterceptor(), *security],
         options=config.grpc_options(),
     )
     health_servicer = health.aio.HealthServicer()
