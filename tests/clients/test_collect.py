@@ -130,7 +130,7 @@ async def test_cancelled_collection_closes_its_episodes(env_server, policy_serve
 
 
 async def test_two_env_replicas_share_the_load_and_survive_one_killed(spawn_env, policy_server) -> None:
-    first, second = spawn_env(), spawn_env()
+    first, second = await asyncio.gather(asyncio.to_thread(spawn_env), asyncio.to_thread(spawn_env))
     config = load_config(CollectConfig, None, FAST)
     seen: list[RolloutRecord] = []
     async with env_pool([first.target, second.target], wait_for_healthy_s=5) as env, \
