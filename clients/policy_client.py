@@ -120,7 +120,9 @@ class PolicyClient:
                            request_id: str = "") -> policy_pb2.UpdateWeightsResponse:
         """Send every tensor of `state_dict` (the model's full parameter set, in any order) as
         policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
-        copied whole."""
+        copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
+        `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it."""
+        state_dict = distinct_tensors(state_dict)
         header = header_for(state_dict, version, request_id)
 
         async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest]:
@@ -132,6 +134,18 @@ class PolicyClient:
             return await self._stub.UpdateWeights(messages(), timeout=timeout_s)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+
+
+def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` without the entries that alias an earlier entry's memory."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    distinct = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() == 0 or key not in seen:  # empty tensors own no memory to alias
+            seen.add(key)
+            distinct[name] = tensor
+    return distinct
 
 
 async def push_weights_to_all(clients: Iterable[PolicyClient], state_dict: Mapping[str, torch.Tensor],
