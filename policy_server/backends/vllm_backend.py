@@ -262,7 +262,9 @@ class VllmBackend:
         outputs = self._engine.generate(engine_prompt, params, request_id)
         try:
             while unfinished:
-                output = await asyncio.wait_for(anext(outputs), self._options.stall_timeout_s)
+                output = await asyncio.wait_for(anext(outputs, None), self._options.stall_timeout_s)
+                if output is None:
+                    raise RuntimeError(f"vLLM ended request {request_id} with {unfinished} samples unfinished")
                 for completion in output.outputs:
                     sample = samples[completion.index]
                     delta = _delta(sample, completion)
