@@ -281,22 +281,29 @@ class GroupReceipt(_message.Message):
     GROUP_ID_FIELD_NUMBER: _builtins.int
     ACCEPTED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """The group's id."""
     accepted: _builtins.bool
     """Whether it entered the buffer."""
     reason: _builtins.str
-    """Why not, when refused (stable string: "duplicate", "stale", "invalid")."""
+    """Why not, when refused (stable string: "duplicate", "stale", "invalid",
+    "no_signal" (fewer than two scored samples, or all rewards equal), "busy"
+    (no buffer slot freed in time; the group may be sent again)).
+    """
+    detail: _builtins.str
+    """What to fix, for humans, when refused as "invalid"."""
     def __init__(
         self,
         *,
         group_id: _builtins.str = ...,
         accepted: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "group_id", b"group_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "detail", b"detail", "group_id", b"group_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,84 @@
+"""`sciproto serve learner`: build the model the policy servers serve, resume from the run
+directory, start LearnerService, serve until SIGTERM/SIGINT (then save a final checkpoint)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+import yaml
+
+from learner.metrics import MetricsLogger
+from learner.server_config import LearnerServerConfig
+from learner.service import LearnerServicer
+from learner.trainer import GRPOTrainer
+from learner.weight_push import build_weight_pusher
+from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.pb import LEARNER_SERVICE, learner_grpc
+from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+
+log = logging.getLogger("learner")
+
+SECTION = "learner"  # in a config file shared by every component, the learner reads this section
+
+
+def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> LearnerServerConfig:
+    """A learner config file, or the `learner:` section of a file that configures several components."""
+    section = None
+    if config is not None:
+        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
+        section = (
+            SECTION if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict) else None
+        )
+    return load_config(LearnerServerConfig, config, overrides, section=section)
+
+
+def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
+    """The trainer over the same model the policy servers load (same spec and seed)."""
+    from policy_server.models import load_model
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    loaded = load_model(config.model, torch.float32, seed=config.model_seed, device=config.device)
+    model = loaded.model.requires_grad_(True)  # load_model hands out an inference-only model
+    trainer = GRPOTrainer(model, config.grpo, pad_token_id=loaded.tokenizer.pad_token_id)
+    return trainer, loaded.name
+
+
+async def serve(config: LearnerServerConfig) -> None:
+    trainer, model_name = build_trainer(config)
+    pusher = build_weight_pusher(config) if config.policy_targets else None
+    metrics = MetricsLogger(config.run_dir, config.metrics)
+    servicer = LearnerServicer(config, trainer, pusher, metrics, model_name)
+    await servicer.start()
+    running = await start_server(
+        config.server,
+        [Service(LEARNER_SERVICE, servicer, learner_grpc.add_LearnerServiceServicer_to_server)],
+    )
+    log.info(
+        "training %s (step %d, version %d) on %s:%d; pushing to %s",
+        model_name,
+        trainer.step,
+        trainer.policy_version,
+        config.server.host,
+        running.port,
+        config.policy_targets or "no policy server",
+    )
+    await serve_until_signalled(running, on_ready=lambda port: announce_port("learner", port))
+
+
+def main(config: str | None, overrides: list[str]) -> None:
+    try:
+        settings = load_learner_config(config, overrides)
+        if settings.auth is not None:
+            raise ConfigError(
+                f"authentication settings were given ({sorted(settings.auth)}) but the learner "
+                "does not apply them yet; remove `auth` (and --auth)"
+            )
+    except ConfigError as error:
+        print(f"sciproto serve learner: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    asyncio.run(serve(settings))

@@ -1,0 +1,143 @@
+"""Step metrics of a training run: `<run_dir>/metrics.jsonl` always, TensorBoard or Weights &
+Biases when chosen, and a PNG plot of reward and policy lag.
+
+metrics.jsonl holds one JSON object per optimizer step, among them:
+
+    step, policy_version, groups, reward_mean, reward_std, reward_min, reward_max,
+    frac_all_equal_groups, loss, entropy, clip_frac_low, clip_frac_high, is_weight_mean,
+    is_weight_max, is_frac_truncated, mismatch, grad_norm, policy_lag_mean, policy_lag_max,
+    groups_dropped_stale (this step), tokens_per_s_generation, tokens_per_s_training,
+    wait_rollouts_s, train_s, weight_sync_s, time_s (seconds since the learner started)
+
+A resumed run appends to the same file, so the plot covers the whole run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from learner.server_config import MetricsConfig
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "reward.png"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a torn last line from a crash is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -> Path:
+    """Reward mean (with min/max band) and policy lag against the optimizer step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render straight to a file
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    figure, (reward_axes, lag_axes) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    reward_axes.plot(steps, [r.get("reward_mean", math.nan) for r in records], label="mean")
+    reward_axes.fill_between(
+        steps,
+        [r.get("reward_min", math.nan) for r in records],
+        [r.get("reward_max", math.nan) for r in records],
+        alpha=0.2,
+        label="min-max",
+    )
+    reward_axes.set_ylabel("reward")
+    reward_axes.legend(loc="lower right")
+    reward_axes.grid(alpha=0.3)
+    lag_axes.plot(steps, [r.get("policy_lag_mean", math.nan) for r in records], label="mean")
+    lag_axes.plot(
+        steps, [r.get("policy_lag_max", math.nan) for r in records], label="max", linestyle="--"
+    )
+    lag_axes.set_ylabel("policy lag (versions)")
+    lag_axes.set_xlabel("optimizer step")
+    lag_axes.legend(loc="upper right")
+    lag_axes.grid(alpha=0.3)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    plt.close(figure)
+    return output
+
+
+class MetricsLogger:
+    """Writes each step's metrics to every chosen sink."""
+
+    def __init__(self, run_dir: Path, config: MetricsConfig, run_name: str = "") -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.plot_path = self.run_dir / PLOT_FILE
+        self.config = config
+        self.run_name = run_name or self.run_dir.name
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tensorboard: Any = None
+        self._wandb: Any = None
+        if config.backend == "tensorboard":
+            writer_module = _optional_import("torch.utils.tensorboard", "tensorboard")
+            self._tensorboard = writer_module.SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard")
+            )
+        elif config.backend == "wandb":
+            self._wandb = _optional_import("wandb", "wandb")
+            self._wandb.init(
+                project=config.wandb_project,
+                name=self.run_name,
+                dir=str(self.run_dir),
+                resume="allow",
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        numbers = {
+            k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "step"
+        }
+        if self._tensorboard is not None:
+            for name, value in numbers.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+        if step % self.config.plot_every == 0:
+            self.plot()
+
+    def plot(self) -> Path | None:
+        records = read_metrics(self.path)
+        if not records:
+            return None
+        return plot_metrics(records, self.plot_path, title=self.run_name)
+
+    def close(self) -> None:
+        self.plot()
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _optional_import(module: str, package: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise RuntimeError(
+            f"metrics.backend needs the {package!r} package ({error}); install it with "
+            f"`pip install sciproto[{package}]` or set metrics.backend=none"
+        ) from error

@@ -1,0 +1,92 @@
+"""Configuration of a learner process (`sciproto serve learner`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from learner.config import GRPOConfig
+from sciproto.server import ServerConfig
+
+
+class MetricsConfig(BaseModel):
+    """Where step metrics go besides `metrics.jsonl` (always written)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["none", "tensorboard", "wandb"] = Field(
+        "none", description="Also log to TensorBoard or Weights & Biases (needs the package)"
+    )
+    wandb_project: str = Field("sciproto", description="Weights & Biases project")
+    plot_every: int = Field(10, ge=1, description="Redraw the PNG plot every this many steps")
+
+
+class LearnerServerConfig(BaseModel):
+    """Everything a learner process needs; `sciproto serve learner --set key=value` edits it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    # The learner builds the same model as the policy servers: same spec and seed.
+    model: str = Field(
+        "tiny", description='"tiny", "smollm2", or a local Hugging Face model directory'
+    )
+    model_seed: int = Field(
+        0, description="Seed of the random `tiny` model's weights (the policy server's `seed`)"
+    )
+    device: str = Field("cpu", description='Torch device of training, e.g. "cpu" or "cuda:0"')
+    torch_threads: int = Field(
+        0, ge=0, description="CPU threads torch may use (0: torch's default)"
+    )
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    batch_groups: int = Field(16, ge=1, description="Groups per optimizer step")
+    buffer_capacity: int = Field(
+        64, ge=1, description="Most groups buffered; TrainStep stops reading beyond it"
+    )
+    add_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest a group waits for a buffer slot before its receipt says 'busy'",
+    )
+    take_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait for a batch before the optimizer loop reports it and waits again",
+    )
+    policy_targets: list[str] = Field(
+        default_factory=list,
+        description="HOST:PORT of every policy server that receives new weights",
+    )
+    push_every: int = Field(1, ge=1, description="Push weights every this many optimizer steps")
+    push_timeout_s: float = Field(
+        300.0, gt=0, description="Longest a weight push to one server may take"
+    )
+    push_transport: Literal["grpc", "nccl"] = Field(
+        "grpc",
+        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync)",
+    )
+    nccl: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the NCCL weight transfer"
+    )
+    run_dir: Path = Field(
+        Path("runs/learner"), description="Checkpoints and metrics go here; resumed from"
+    )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="Save a checkpoint every this many steps (0: only on request and at shutdown)",
+    )
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    # Placeholder for authentication settings; not enforced by this server yet.
+    auth: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _buffer_holds_a_batch(self) -> LearnerServerConfig:
+        if self.buffer_capacity < self.batch_groups:
+            raise ValueError(
+                f"buffer_capacity ({self.buffer_capacity}) must hold at least one batch "
+                f"(batch_groups = {self.batch_groups})"
+            )
+        return self

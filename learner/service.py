@@ -1,0 +1,486 @@
+"""LearnerService: rollout groups in, optimizer steps out, new weights pushed to the policy servers.
+
+    TrainStep stream --> validate --> dedupe --> RolloutBuffer --> optimizer loop (background)
+         ^                                        (staleness K)       take batch_groups groups
+         |                                                            train_step (worker thread)
+         +--- GroupReceipt per group                                  push weights (every push_every)
+         +--- OptimizerStepResult per step, to every open stream  <---+ metrics.jsonl, checkpoints
+
+Receipts: accepted, or refused with a stable reason: "duplicate" (group_id seen before, in this
+process or trained before the checkpoint we resumed from, so retries never count twice),
+"invalid" (the group cannot be read; the receipt's message says why), "stale" (already more than
+max_staleness versions behind on arrival), "no_signal" (fewer than two scored samples or all
+rewards equal: GRPO would learn nothing), "busy" (no buffer slot freed within add_timeout_s).
+
+A stream the client half-closes ends once no further step can come from what is buffered (no
+step running and fewer than batch_groups groups waiting); until then it still carries step
+results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at shutdown) hold the
+trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ValidationError
+
+from learner.buffer import RolloutBuffer
+from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, save_checkpoint
+from learner.metrics import MetricsLogger
+from learner.server_config import LearnerServerConfig
+from learner.trainer import GRPOTrainer, StepMetrics
+from learner.types import RewardStatus, RolloutGroup, TrainSample
+from learner.weight_push import WeightPusher, version_after_resume
+from sciproto import pb
+from sciproto.errors import Internal, Reason, SciprotoError, to_status
+from sciproto.pb import common_pb2, learner_pb2
+from sciproto.server import server_info
+
+log = logging.getLogger(__name__)
+
+LEARNER_STATE_FILE = "learner_state.json"
+
+_STATUS_FROM_PB = {
+    common_pb2.REWARD_STATUS_SCORED: RewardStatus.SCORED,
+    common_pb2.REWARD_STATUS_UNSCORED: RewardStatus.UNSCORED,
+    common_pb2.REWARD_STATUS_UNSPECIFIED: RewardStatus.UNSCORED,  # the contract: read as UNSCORED
+    common_pb2.REWARD_STATUS_INFRA_ERROR: RewardStatus.INFRA_ERROR,
+}
+
+
+class InvalidGroup(ValueError):
+    """A RolloutGroup message that cannot be trained on; the message says what to fix."""
+
+
+def sample_from_pb(rollout: learner_pb2.Rollout) -> TrainSample:
+    """A proto Rollout as a TrainSample: version spans become one version per trained token."""
+    n = len(rollout.token_ids)
+    versions = [-1] * n
+    for span in rollout.version_spans:
+        if not 0 <= span.start < span.end <= n:
+            raise InvalidGroup(
+                f"sample {rollout.sample_index}: version span [{span.start}, {span.end}) "
+                f"lies outside token_ids [0, {n})"
+            )
+        versions[span.start : span.end] = [span.policy_version] * (span.end - span.start)
+    uncovered = [i for i, m in enumerate(rollout.loss_mask) if m == 1 and i < n and versions[i] < 0]
+    if uncovered:
+        raise InvalidGroup(
+            f"sample {rollout.sample_index}: trained token {uncovered[0]} lies in no "
+            "version span; every token with loss_mask 1 needs the version that sampled it"
+        )
+    versions = [
+        v if i < len(rollout.loss_mask) and rollout.loss_mask[i] == 1 else -1
+        for i, v in enumerate(versions)
+    ]
+    try:
+        return TrainSample(
+            token_ids=list(rollout.token_ids),
+            loss_mask=list(rollout.loss_mask),
+            rollout_logprobs=list(rollout.rollout_logprobs),
+            policy_versions=versions,
+            reward=rollout.reward.value,
+            reward_status=_STATUS_FROM_PB[rollout.reward.status],
+            sample_index=rollout.sample_index,
+        )
+    except ValidationError as error:
+        reasons = "; ".join(e["msg"] for e in error.errors())
+        raise InvalidGroup(f"sample {rollout.sample_index}: {reasons}") from None
+
+
+def group_from_pb(group: learner_pb2.RolloutGroup) -> RolloutGroup:
+    """A proto RolloutGroup as the trainer's RolloutGroup; InvalidGroup says what is wrong."""
+    if not group.group_id:
+        raise InvalidGroup("group_id is empty; every group needs a unique id")
+    if not group.rollouts:
+        raise InvalidGroup(f"group {group.group_id} has no rollouts")
+    samples = [sample_from_pb(rollout) for rollout in group.rollouts]
+    return RolloutGroup(group_id=group.group_id, task=group.task_id or group.env, samples=samples)
+
+
+class LearnerState(BaseModel):
+    """What a checkpoint adds to the trainer state so a restart counts no group twice."""
+
+    trained_group_ids: list[str] = []
+    groups_received: int = 0
+    groups_dropped_stale: int = 0
+    groups_skipped_equal: int = 0
+    groups_duplicate: int = 0
+
+
+def latest_learner_checkpoint(run_dir: Path) -> Path | None:
+    """The highest-step checkpoint that holds both the trainer and the learner state."""
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return None
+    complete = [
+        p
+        for p in folder.glob("step_*")
+        if p.suffix != ".tmp"
+        and (p / MANIFEST_FILE).is_file()
+        and (p / LEARNER_STATE_FILE).is_file()
+    ]
+    return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+class LearnerServicer:
+    """The LearnerService servicer; `start()` resumes and starts the optimizer loop."""
+
+    def __init__(
+        self,
+        config: LearnerServerConfig,
+        trainer: GRPOTrainer,
+        pusher: WeightPusher | None,
+        metrics: MetricsLogger,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.pusher = pusher
+        self.metrics = metrics
+        self.model_name = model_name
+        self.buffer = RolloutBuffer(config.buffer_capacity, config.grpo.max_staleness)
+        self.seen_group_ids: set[str] = set()
+        self.trained_group_ids: set[str] = set()
+        self.groups_duplicate = 0
+        # The outgoing events of every open TrainStep call.
+        self._streams: set[asyncio.Queue[learner_pb2.TrainStepResponse]] = set()
+        self._step_lock = asyncio.Lock()  # one of: a train step + push, or a checkpoint save
+        self._step_running = False
+        self._progress = asyncio.Condition()  # notified after every step and stream change
+        self._loop_task: asyncio.Task[None] | None = None
+        self._started = time.monotonic()
+        self._last_step_end = time.monotonic()
+        self._tokens_since_step = 0
+        self._stale_at_last_step = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Resume from the run directory's latest checkpoint, align the policy servers' weights
+        with ours, and start the optimizer loop."""
+        resumed = await self._resume()
+        if self.pusher is not None:
+            serving = await self.pusher.serving_versions()
+            if resumed or any(v != self.trainer.policy_version for v in serving):
+                self.trainer.policy_version = version_after_resume(
+                    self.trainer.policy_version, serving
+                )
+                await self._push()
+        self._loop_task = asyncio.create_task(self._optimizer_loop(), name="optimizer loop")
+
+    async def _resume(self) -> bool:
+        path = latest_learner_checkpoint(self.config.run_dir)
+        if path is None:
+            return False
+        await asyncio.to_thread(load_checkpoint, self.trainer, path)
+        state = LearnerState.model_validate_json((path / LEARNER_STATE_FILE).read_text())
+        self.trained_group_ids = set(state.trained_group_ids)
+        self.seen_group_ids = set(state.trained_group_ids)
+        counters = self.buffer.counters
+        counters.groups_received = state.groups_received
+        counters.dropped_stale = state.groups_dropped_stale
+        counters.dropped_all_equal = state.groups_skipped_equal
+        self.groups_duplicate = state.groups_duplicate
+        self._stale_at_last_step = counters.dropped_stale
+        log.info(
+            "resumed from %s: step %d, policy version %d, %d groups trained before",
+            path,
+            self.trainer.step,
+            self.trainer.policy_version,
+            len(self.trained_group_ids),
+        )
+        return True
+
+    async def aclose(self, timeout_s: float = 600.0) -> None:
+        """Finish the step in progress, stop the loop, save a final checkpoint."""
+        try:
+            await asyncio.wait_for(self._step_lock.acquire(), timeout_s)
+        except TimeoutError:
+            log.error(
+                "the step in progress did not finish within %.0f s; no final checkpoint", timeout_s
+            )
+            return
+        try:
+            if self._loop_task is not None:
+                self._loop_task.cancel()
+                await asyncio.gather(self._loop_task, return_exceptions=True)
+            if self.trainer.step > 0:
+                path = await self._save_checkpoint_locked(self.config.run_dir)
+                log.info("final checkpoint %s", path)
+        finally:
+            self._step_lock.release()
+            self.metrics.close()
+            if self.pusher is not None:
+                await self.pusher.aclose()
+
+    # ------------------------------------------------------------------ optimizer loop
+
+    async def _optimizer_loop(self) -> None:
+        config = self.config
+        while True:
+            waited_from = time.monotonic()
+            try:
+                groups = await self.buffer.take(
+                    config.batch_groups, self.trainer.policy_version, timeout=config.take_timeout_s
+                )
+            except TimeoutError:
+                log.info(
+                    "no batch of %d groups within %.0f s (%d buffered); waiting on",
+                    config.batch_groups,
+                    config.take_timeout_s,
+                    len(self.buffer),
+                )
+                continue
+            wait_s = time.monotonic() - waited_from
+            try:
+                async with self._step_lock:
+                    self._step_running = True
+                    await self._step(groups, wait_s)
+            except Exception as error:  # noqa: BLE001 - reported to every stream; the loop goes on
+                log.exception("optimizer step failed")
+                self._broadcast(learner_pb2.TrainStepResponse(error=to_status(_as_sciproto(error))))
+            finally:
+                self._step_running = False
+                async with self._progress:
+                    self._progress.notify_all()
+
+    async def _step(self, groups: list[RolloutGroup], wait_s: float) -> None:
+        config = self.config
+        counters = self.buffer.counters
+        lag_mean, lag_max = counters.last_policy_lag_mean, counters.last_policy_lag_max
+        train_started = time.monotonic()
+        metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        train_s = time.monotonic() - train_started
+        self.trained_group_ids.update(g.group_id for g in groups)
+        pushed, sync_s = False, 0.0
+        if (
+            metrics.trained
+            and self.pusher is not None
+            and self.trainer.step % config.push_every == 0
+        ):
+            try:
+                sync_s = await self._push()
+                pushed = True
+            except SciprotoError as error:
+                log.warning(
+                    "weight push of version %d failed: %s", self.trainer.policy_version, error
+                )
+                self._broadcast(learner_pb2.TrainStepResponse(error=to_status(error)))
+        now = time.monotonic()
+        interval = max(now - self._last_step_end, 1e-9)
+        record: dict[str, Any] = {
+            **metrics.model_dump(exclude={"trained"}),
+            "policy_lag_mean": lag_mean,
+            "policy_lag_max": lag_max,
+            "groups_dropped_stale": counters.dropped_stale - self._stale_at_last_step,
+            "tokens_per_s_generation": self._tokens_since_step / interval,
+            "tokens_per_s_training": metrics.tokens / max(train_s, 1e-9),
+            "wait_rollouts_s": wait_s,
+            "train_s": train_s,
+            "weight_sync_s": sync_s,
+            "time_s": now - self._started,
+        }
+        self._last_step_end, self._tokens_since_step = now, 0
+        self._stale_at_last_step = counters.dropped_stale
+        if metrics.trained:
+            self.metrics.log(record)
+        numbers = {
+            k: float(v)
+            for k, v in record.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        self._broadcast(
+            learner_pb2.TrainStepResponse(
+                step=learner_pb2.OptimizerStepResult(
+                    step=self.trainer.step,
+                    policy_version=self.trainer.policy_version,
+                    metrics=numbers,
+                    groups=len(groups),
+                    weights_pushed=pushed,
+                )
+            )
+        )
+        log.info(
+            "step %d version %d reward %.3f lag %.2f train %.2fs sync %.2fs",
+            self.trainer.step,
+            self.trainer.policy_version,
+            metrics.reward_mean,
+            lag_mean,
+            train_s,
+            sync_s,
+        )
+        if (
+            metrics.trained
+            and config.checkpoint_every
+            and self.trainer.step % config.checkpoint_every == 0
+        ):
+            await self._save_checkpoint_locked(config.run_dir)
+
+    async def _push(self) -> float:
+        assert self.pusher is not None
+        weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
+        result = await self.pusher.push(weights, self.trainer.policy_version)
+        return result.seconds
+
+    async def _save_checkpoint_locked(self, root: Path) -> Path:
+        """Write trainer and learner state; the caller holds the step lock."""
+        path = await asyncio.to_thread(save_checkpoint, self.trainer, root)
+        counters = self.buffer.counters
+        state = LearnerState(
+            trained_group_ids=sorted(self.trained_group_ids),
+            groups_received=counters.groups_received,
+            groups_dropped_stale=counters.dropped_stale,
+            groups_skipped_equal=counters.dropped_all_equal,
+            groups_duplicate=self.groups_duplicate,
+        )
+        staging = path / f"{LEARNER_STATE_FILE}.tmp"
+        staging.write_text(state.model_dump_json())
+        os.replace(
+            staging, path / LEARNER_STATE_FILE
+        )  # the checkpoint counts only once this exists
+        return path
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def Describe(
+        self, request: learner_pb2.LearnerServiceDescribeRequest, context: grpc.aio.ServicerContext
+    ) -> learner_pb2.LearnerServiceDescribeResponse:
+        return learner_pb2.LearnerServiceDescribeResponse(
+            server=server_info(
+                self.config.server,
+                "sciproto-learner",
+                ["train_step.dedupe", f"weights.{self.config.push_transport}", "checkpoint.resume"],
+                service=pb.LEARNER_SERVICE,
+            ),
+            model=self.model_name,
+            step=self.trainer.step,
+            policy_version=self.trainer.policy_version,
+            max_staleness=self.config.grpo.max_staleness,
+            buffer=self.buffer_state(),
+            precision=self.config.grpo.precision,
+        )
+
+    def buffer_state(self) -> learner_pb2.RolloutBufferState:
+        counters = self.buffer.counters
+        return learner_pb2.RolloutBufferState(
+            groups_buffered=len(self.buffer),
+            capacity=self.buffer.capacity,
+            groups_received=counters.groups_received,
+            groups_dropped_stale=counters.dropped_stale,
+            groups_skipped_equal=counters.dropped_all_equal,
+            groups_duplicate=self.groups_duplicate,
+        )
+
+    async def SaveCheckpoint(
+        self, request: learner_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> learner_pb2.SaveCheckpointResponse:
+        root = Path(request.directory) if request.directory else self.config.run_dir
+        async with self._step_lock:
+            path = await self._save_checkpoint_locked(root)
+            step, version = self.trainer.step, self.trainer.policy_version
+        return learner_pb2.SaveCheckpointResponse(
+            directory=str(path), step=step, policy_version=version
+        )
+
+    async def TrainStep(
+        self,
+        request_iterator: AsyncIterator[learner_pb2.TrainStepRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[learner_pb2.TrainStepResponse]:
+        events: asyncio.Queue[learner_pb2.TrainStepResponse] = asyncio.Queue()
+        self._streams.add(events)
+        reader = asyncio.create_task(
+            self._read_groups(request_iterator, events), name="TrainStep reader"
+        )
+        finished = asyncio.create_task(self._stream_finished(reader), name="TrainStep end")
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not events.empty():
+                    yield events.get_nowait()
+                if reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                return
+        finally:
+            self._streams.discard(events)
+            for task in (reader, finished):
+                task.cancel()
+            await asyncio.gather(reader, finished, return_exceptions=True)
+
+    async def _stream_finished(self, reader: asyncio.Task[None]) -> None:
+        """Returns once the client stopped sending and no further step can follow from the
+        buffered groups."""
+        await asyncio.wait({reader})
+        async with self._progress:
+            await self._progress.wait_for(
+                lambda: not self._step_running and len(self.buffer) < self.config.batch_groups
+            )
+
+    async def _read_groups(
+        self,
+        requests: AsyncIterator[learner_pb2.TrainStepRequest],
+        events: asyncio.Queue[learner_pb2.TrainStepResponse],
+    ) -> None:
+        async for request in requests:
+            receipt = await self._receive(request.group)
+            events.put_nowait(learner_pb2.TrainStepResponse(receipt=receipt))
+
+    async def _receive(self, message: learner_pb2.RolloutGroup) -> learner_pb2.GroupReceipt:
+        group_id = message.group_id
+
+        def refused(reason: str) -> learner_pb2.GroupReceipt:
+            return learner_pb2.GroupReceipt(group_id=group_id, accepted=False, reason=reason)
+
+        if group_id in self.seen_group_ids:
+            self.groups_duplicate += 1
+            return refused("duplicate")
+        try:
+            group = group_from_pb(message)
+        except InvalidGroup as error:
+            log.info("group %r refused: %s", group_id, error)
+            return learner_pb2.GroupReceipt(
+                group_id=group_id, accepted=False, reason="invalid", detail=str(error)
+            )
+        self.seen_group_ids.add(group_id)
+        oldest = group.oldest_version
+        if (
+            oldest is not None
+            and self.trainer.policy_version - oldest > self.config.grpo.max_staleness
+        ):
+            self.buffer.counters.groups_received += 1
+            self.buffer.counters.dropped_stale += 1
+            return refused("stale")
+        try:
+            accepted = await self.buffer.add(group, timeout=self.config.add_timeout_s)
+        except TimeoutError:
+            self.seen_group_ids.discard(group_id)  # never trained: a retry may send it again
+            return refused("busy")
+        if not accepted:
+            return refused("no_signal")
+        self._tokens_since_step += sum(s.num_trained_tokens for s in group.samples)
+        async with self._progress:
+            self._progress.notify_all()
+        return learner_pb2.GroupReceipt(group_id=group_id, accepted=True)
+
+    def _broadcast(self, event: learner_pb2.TrainStepResponse) -> None:
+        for events in self._streams:
+            events.put_nowait(event)
+
+
+def _as_sciproto(error: Exception) -> SciprotoError:
+    if isinstance(error, SciprotoError):
+        return error
+    return Internal(f"optimizer step failed: {type(error).__name__}: {error}", Reason.INTERNAL)

@@ -1,0 +1,107 @@
+"""Pushing the learner's weights to the policy servers after optimizer steps.
+
+Two transports share one interface, `WeightPusher`:
+
+- "grpc" (`GrpcWeightPusher`, any machine): every policy server receives the full weights as an
+  UpdateWeights stream of raw chunks, all servers concurrently. A server swaps its weights in
+  place once the whole stream arrived, so generation pauses only for the swap itself.
+- "nccl" (GPU with vLLM): `learner.vllm_sync` provides `build_weight_pusher(config)` returning a
+  `WeightPusher` whose tensors travel over NCCL while UpdateWeights carries only the header. It
+  is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from pydantic import BaseModel
+
+from clients.policy_client import PolicyClient, push_weights_to_all
+from learner.server_config import LearnerServerConfig
+from sciproto.config import ConfigError
+
+
+class PushResult(BaseModel):
+    """One push to every policy server."""
+
+    policy_version: int
+    seconds: float
+    servers: int
+
+
+class WeightPusher(Protocol):
+    """Sends new weights to every configured policy server."""
+
+    async def serving_versions(self) -> list[int]:
+        """The policy version each server serves now (Describe), in target order."""
+        ...
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushResult:
+        """Make every server serve `state_dict` as `version` (greater than what they serve);
+        raises the first failure once every push has ended."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class GrpcWeightPusher:
+    """UpdateWeights chunk streams to every target, concurrently."""
+
+    def __init__(self, targets: Sequence[str], timeout_s: float) -> None:
+        self.targets = list(targets)
+        self.timeout_s = timeout_s
+        self._clients = [PolicyClient(target) for target in self.targets]
+
+    async def serving_versions(self) -> list[int]:
+        described = await asyncio.gather(
+            *(c.describe(timeout_s=self.timeout_s) for c in self._clients)
+        )
+        return [d.policy_version for d in described]
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushResult:
+        started = time.monotonic()
+        await push_weights_to_all(self._clients, state_dict, version, timeout_s=self.timeout_s)
+        return PushResult(
+            policy_version=version, seconds=time.monotonic() - started, servers=len(self._clients)
+        )
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(client.close() for client in self._clients))
+
+
+def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
+    """The pusher of `config.push_transport` for `config.policy_targets`."""
+    if config.push_transport == "grpc":
+        return GrpcWeightPusher(config.policy_targets, config.push_timeout_s)
+    try:
+        module = importlib.import_module("learner.vllm_sync")
+    except ImportError as error:
+        raise ConfigError(
+            f"push_transport 'nccl' needs learner.vllm_sync and vLLM ({error}); install the "
+            "sciproto[vllm] extra on a GPU machine or use push_transport=grpc"
+        ) from error
+    return module.build_weight_pusher(config)
+
+
+def version_after_resume(own_version: int, serving: Sequence[int]) -> int:
+    """The version to push after a restart so that every server accepts it.
+
+    A server may already serve our version or a newer one (weights pushed after the checkpoint
+    we resume from); versions must only grow, so we continue above the largest one seen.
+    """
+    highest = max(serving, default=-1)
+    return own_version if own_version > highest else highest + 1
+
+
+__all__ = [
+    "GrpcWeightPusher",
+    "PushResult",
+    "WeightPusher",
+    "build_weight_pusher",
+    "version_after_resume",
+]
