@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from policy_server.weights_stream import MiB, chunks_of, header_for
+from policy_server.weights_stream import MiB, chunk_parts, data_message_wire, header_for, serialize_request
 from sciproto.channel import ChannelConfig, make_channel
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
@@ -68,6 +68,10 @@ class PolicyClient:
         self._owns_channel = not isinstance(channel_or_config, grpc.aio.Channel)
         self.channel = make_channel(channel_or_config) if self._owns_channel else channel_or_config
         self._stub = policy_grpc.PolicyServiceStub(self.channel)
+        # UpdateWeights with data chunks written straight to the wire (see data_message_wire)
+        self._update_weights = self.channel.stream_unary(
+            "/sciproto.v1.PolicyService/UpdateWeights", request_serializer=serialize_request,
+            response_deserializer=policy_pb2.UpdateWeightsResponse.FromString)
 
     async def __aenter__(self) -> PolicyClient:
         return self
@@ -125,13 +129,13 @@ class PolicyClient:
         state_dict = distinct_tensors(state_dict)
         header = header_for(state_dict, version, request_id)
 
-        async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest]:
+        async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest | bytes]:
             yield policy_pb2.UpdateWeightsRequest(header=header)
-            for chunk in chunks_of(state_dict, chunk_bytes):
-                yield policy_pb2.UpdateWeightsRequest(data=chunk)
+            for parts in chunk_parts(state_dict, chunk_bytes):
+                yield data_message_wire(parts)
 
         try:
-            return await self._stub.UpdateWeights(messages(), timeout=timeout_s)
+            return await self._update_weights(messages(), timeout=timeout_s)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
 

@@ -13,9 +13,9 @@ import yaml
 
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
-from policy_server.service import PolicyServicer, PromptTokenizer
+from policy_server.service import PolicyServicer, PromptTokenizer, register
 from sciproto.config import ConfigError, load_config, resolve_path
-from sciproto.pb import POLICY_SERVICE, policy_grpc
+from sciproto.pb import POLICY_SERVICE
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 
 log = logging.getLogger("policy_server")
@@ -62,7 +62,7 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
 async def serve(config: PolicyServerConfig) -> None:
     backend, tokenize = build_backend(config)
     servicer = PolicyServicer(backend, tokenize, config)
-    service = Service(POLICY_SERVICE, servicer, policy_grpc.add_PolicyServiceServicer_to_server)
+    service = Service(POLICY_SERVICE, servicer, register)
     running = await start_server(config.server, [service])
     info = backend.info()
     log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host, running.port)

@@ -24,7 +24,7 @@ from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.types import GenerationRequest, TokenDelta
-from policy_server.weights_stream import DTYPE_TO_PROTO, WeightsReceiver, check_header
+from policy_server.weights_stream import DTYPE_TO_PROTO, WeightsReceiver, check_header, parse_request
 from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -32,7 +32,7 @@ from sciproto.errors import (
     Reason,
     Unimplemented,
 )
-from sciproto.pb import common_pb2, policy_grpc, policy_pb2
+from sciproto.pb import POLICY_SERVICE, common_pb2, policy_grpc, policy_pb2
 from sciproto.version import PROTOCOL_VERSION, __version__
 
 # Turns a chat or token request into the exact prompt ids the model will see.
@@ -104,13 +104,13 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
 
     # -- UpdateWeights -----------------------------------------------------------------------------
 
-    async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest],
+    async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
                             context: grpc.aio.ServicerContext) -> policy_pb2.UpdateWeightsResponse:
         if not self._backend.info().supports_weight_updates:
             raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
                                 Reason.UNSUPPORTED)
         first = await self._next_message(request_iterator)
-        if first is None or first.WhichOneof("chunk") != "header":
+        if not isinstance(first, policy_pb2.UpdateWeightsRequest) or first.WhichOneof("chunk") != "header":
             raise InvalidArgument("the first message of UpdateWeights must be the header", Reason.INVALID_REQUEST)
         if self._update_lock.locked():
             raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
@@ -121,6 +121,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
             receiver = WeightsReceiver(specs)
             while (message := await self._next_message(request_iterator)) is not None:
+                if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
+                    receiver.write(message)
+                    continue
                 if message.WhichOneof("chunk") != "data":
                     raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
                                           "must be data chunks", Reason.INVALID_REQUEST)
@@ -141,8 +144,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                 requests_spanning_versions=len(running_before & self._active),
             )
 
-    async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest]
-                            ) -> policy_pb2.UpdateWeightsRequest | None:
+    async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
+                            ) -> policy_pb2.UpdateWeightsRequest | memoryview | None:
         timeout = self._config.weights.chunk_timeout_s
         try:
             return await asyncio.wait_for(anext(requests, None), timeout)
@@ -153,3 +156,22 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
     async def aclose(self) -> None:
         await self._backend.close()
 
+
+
+def register(servicer: PolicyServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, except that UpdateWeights reads its data chunks with
+    `parse_request` (views of the received bytes) instead of protobuf parsing."""
+    def handler(kind: Callable[..., grpc.RpcMethodHandler], method: Callable[..., object],
+                request: Callable[[bytes], object], response: type) -> grpc.RpcMethodHandler:
+        return kind(method, request_deserializer=request, response_serializer=response.SerializeToString)
+
+    handlers = {
+        "Describe": handler(grpc.unary_unary_rpc_method_handler, servicer.Describe,
+                            policy_pb2.PolicyServiceDescribeRequest.FromString, policy_pb2.PolicyServiceDescribeResponse),
+        "Generate": handler(grpc.unary_stream_rpc_method_handler, servicer.Generate,
+                            policy_pb2.GenerateRequest.FromString, policy_pb2.GenerateResponse),
+        "UpdateWeights": handler(grpc.stream_unary_rpc_method_handler, servicer.UpdateWeights,
+                                 parse_request, policy_pb2.UpdateWeightsResponse),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(POLICY_SERVICE, handlers),))
+    server.add_registered_method_handlers(POLICY_SERVICE, handlers)

@@ -1,9 +1,10 @@
 """Weights as an UpdateWeights stream: a header (manifest) then raw little-endian bytes of every
 tensor, concatenated in manifest order and cut into chunks.
 
-Both ends live here: `header_for` and `chunks_of` on the sending side (no copy of the whole
-model is ever made: each chunk is copied once out of its tensor), `check_header` and
-`WeightsReceiver` on the receiving side (bytes land straight in preallocated tensors).
+Both ends live here: `header_for`, `chunk_parts` and `data_message_wire` on the sending side (no
+copy of the whole model is ever made: each chunk is copied once out of its tensors, straight into
+its wire message), `parse_request`, `check_header` and `WeightsReceiver` on the receiving side
+(a chunk is read as a view of the received message and copied once, into preallocated tensors).
 """
 
 from __future__ import annotations
@@ -60,28 +61,68 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def chunks_of(tensors: Mapping[str, torch.Tensor], chunk_bytes: int = 4 * MiB) -> Iterator[bytes]:
-    """The tensors' bytes in order, as chunks of exactly `chunk_bytes` (the last may be shorter).
-    Small tensors are packed together so a model with many norms still travels in few messages."""
+def chunk_parts(tensors: Mapping[str, torch.Tensor], chunk_bytes: int = 4 * MiB) -> Iterator[list[memoryview]]:
+    """The tensors' bytes in order, cut into chunks of exactly `chunk_bytes` (the last may be
+    shorter); each chunk is the list of tensor slices it is made of, nothing copied yet. Small
+    tensors share a chunk, so a model with many norms still travels in few messages."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    pending = bytearray()
+    parts: list[memoryview] = []
+    size = 0
     for tensor in tensors.values():
         view = _byte_view(tensor)
         position = 0
         while position < len(view):
-            if not pending and len(view) - position >= chunk_bytes:
-                yield bytes(view[position : position + chunk_bytes])  # one copy, straight from the tensor
-                position += chunk_bytes
-                continue
-            take = min(chunk_bytes - len(pending), len(view) - position)
-            pending += view[position : position + take]
+            take = min(chunk_bytes - size, len(view) - position)
+            parts.append(view[position : position + take])
             position += take
-            if len(pending) == chunk_bytes:
-                yield bytes(pending)
-                pending.clear()
-    if pending:
-        yield bytes(pending)
+            size += take
+            if size == chunk_bytes:
+                yield parts
+                parts, size = [], 0
+    if parts:
+        yield parts
+
+
+# UpdateWeightsRequest.data is field 2, length-delimited: tag byte (2 << 3) | 2.
+_DATA_TAG = 0x12
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def data_message_wire(parts: list[memoryview]) -> bytes:
+    """The serialized UpdateWeightsRequest{data = parts joined}, built with a single copy out of
+    the tensors (going through the protobuf object would copy the bytes three times)."""
+    return b"".join([bytes([_DATA_TAG]), _varint(sum(len(part) for part in parts)), *parts])
+
+
+def serialize_request(message: policy_pb2.UpdateWeightsRequest | bytes) -> bytes:
+    """Client-side serializer of UpdateWeights: messages, or data messages already on the wire."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def parse_request(wire: bytes) -> policy_pb2.UpdateWeightsRequest | memoryview:
+    """Server-side deserializer of UpdateWeights: a data-only message becomes a view of its
+    payload inside the received bytes (no copy); anything else is parsed as protobuf."""
+    if len(wire) > 1 and wire[0] == _DATA_TAG:
+        length, shift, position = 0, 0, 1
+        while position < len(wire) and position <= 10:
+            byte = wire[position]
+            length |= (byte & 0x7F) << shift
+            position += 1
+            if not byte & 0x80:
+                if position + length == len(wire):
+                    return memoryview(wire)[position:]
+                break
+            shift += 7
+    return policy_pb2.UpdateWeightsRequest.FromString(wire)
 
 
 # -- receiving ----------------------------------------------------------------------------------
@@ -145,7 +186,7 @@ class WeightsReceiver:
         self._tensor = 0  # index of the tensor being filled
         self._offset = 0  # bytes of it already filled
 
-    def write(self, chunk: bytes) -> None:
+    def write(self, chunk: bytes | memoryview) -> None:
         if self.received + len(chunk) > self.total_bytes:
             raise InvalidArgument(
                 f"the stream carries more than header.total_bytes = {self.total_bytes} bytes "

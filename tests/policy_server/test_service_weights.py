@@ -12,7 +12,7 @@ import torch
 from policy_service_helpers import SEED, policy_server_process, reference_logprobs, reference_model
 
 from clients.policy_client import PolicyClient, distinct_tensors, generate_request, push_weights_to_all
-from policy_server.weights_stream import chunks_of, header_for
+from policy_server.weights_stream import header_for
 from sciproto.errors import FailedPrecondition, InvalidArgument, Reason, SciprotoError, from_rpc_error
 from sciproto.pb import policy_grpc, policy_pb2
 from sciproto.processes import ServerProcess
@@ -53,7 +53,7 @@ async def raw_update(client: PolicyClient, header: policy_pb2.WeightsHeader, chu
 def corrupt_updates(version: int) -> dict[str, tuple[policy_pb2.WeightsHeader, list[bytes], Reason]]:
     good = parameters_of_seed(SEED + 100)
     names = list(good)
-    header, data = header_for(good, version), b"".join(chunks_of(good))
+    header, data = header_for(good, version), b"".join(t.numpy().tobytes() for t in good.values())
     wrong_shape = dict(good) | {names[1]: torch.zeros(3, 3)}
     missing = {name: t for name, t in good.items() if name != names[2]}
     extra = dict(good) | {"extra.weight": torch.zeros(4)}
@@ -151,3 +151,4 @@ async def test_a_second_concurrent_update_is_refused(client: PolicyClient, serve
             await push_weights_to_all([client, other], weights, version)
     assert caught.value.reason in (Reason.UPDATE_IN_PROGRESS, Reason.STALE_VERSION)
     assert (await client.describe()).policy_version == version
+
