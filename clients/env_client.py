@@ -19,12 +19,19 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
 from sciproto.channel import ChannelConfig, make_channel
-from sciproto.errors import DeadlineExceeded, Reason, SciprotoError, Unavailable, from_rpc_error, from_status
+from sciproto.errors import (
+    DeadlineExceeded,
+    Reason,
+    SciprotoError,
+    Unavailable,
+    from_rpc_error,
+    from_status,
+)
 from sciproto.pb import common_pb2, env_grpc, env_pb2
 
 # How long leaving a session waits for the server to answer what is still in flight.
@@ -76,7 +83,7 @@ class EnvClient:
             self._channel, self._owns_channel = channel_or_config, False
         self._stub = env_grpc.EnvironmentServiceStub(self._channel)
 
-    async def __aenter__(self) -> EnvClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

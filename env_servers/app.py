@@ -11,14 +11,14 @@ from collections.abc import Mapping
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports aviary
 
-import yaml  # noqa: E402
+import yaml
 
-from env_servers.catalog import EnvironmentSource, load_source  # noqa: E402
-from env_servers.config import EnvServerConfig  # noqa: E402
-from env_servers.service import EnvironmentService  # noqa: E402
-from sciproto.config import ConfigError, load_config, resolve_path  # noqa: E402
-from sciproto.pb import ENV_SERVICE, env_grpc  # noqa: E402
-from sciproto.server import Service, announce_port, serve_until_signalled, start_server  # noqa: E402
+from env_servers.catalog import EnvironmentSource, load_source
+from env_servers.config import EnvServerConfig
+from env_servers.service import EnvironmentService
+from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.pb import ENV_SERVICE, env_grpc
+from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 
 log = logging.getLogger("env_servers.app")
 

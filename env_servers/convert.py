@@ -172,9 +172,9 @@ def explain_invalid_calls(observations: list[Message], invalid_calls: Mapping[st
     if not invalid_calls:
         return
     for message in observations:
-        if isinstance(message, ToolResponseMessage) and message.tool_call_id in invalid_calls:
-            if not message.content:
-                message.content = f"Invalid tool call: {invalid_calls[message.tool_call_id]}"
+        answers_invalid = isinstance(message, ToolResponseMessage) and message.tool_call_id in invalid_calls
+        if answers_invalid and not message.content:
+            message.content = f"Invalid tool call: {invalid_calls[message.tool_call_id]}"
 
 
 def message_from_proto(message: common_pb2.ChatMessage) -> Message:

@@ -205,8 +205,10 @@ class EpisodeRegistry:
                 Reason.EPISODE_NOT_FOUND, metadata={"episode_id": episode_id})
         return episode
 
-    async def step(self, episode_id: str, action: Message) -> StepOutcome:
-        outcome = await self.get(episode_id).step(action, self.step_timeout_s)
+    async def step(self, episode: Episode, action: Message) -> StepOutcome:
+        """Step an episode from `get`, counting the step (and the failure, if the environment
+        failed)."""
+        outcome = await episode.step(action, self.step_timeout_s)
         self.counters.steps += 1
         if outcome.failure is not None:
             self.counters.errors += 1

@@ -15,7 +15,12 @@ import grpc
 from aviary.core import Environment
 
 from env_servers import convert
-from env_servers.catalog import UNBOUNDED, EnvironmentSource, RescoreUnsupportedError, reward_components
+from env_servers.catalog import (
+    UNBOUNDED,
+    EnvironmentSource,
+    RescoreUnsupportedError,
+    reward_components,
+)
 from env_servers.config import EnvServerConfig
 from env_servers.idempotency import IdempotencyCache
 from env_servers.registry import EpisodeRegistry, StepOutcome
@@ -113,7 +118,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             split, index = request.task_ref.split, request.task_ref.index
             self._check_task(request.env, split, index)
             summary = source.task_summary(split, index)
-            make: Callable[[], Awaitable[Environment]] = lambda: source.make(split, index)  # noqa: E731
+            make: Callable[[], Awaitable[Environment]] = lambda: source.make(split, index)
         elif which == "inline_task":
             fields = dict(request.inline_task.fields)
             summary, make = fields, lambda: _make_inline(source, fields)
@@ -136,7 +141,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
     async def _step(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
         episode = self.registry.get(request.episode_id)
         action = convert.action_from_proto(request.action, episode.tools)
-        outcome = await self.registry.step(episode.id, action.message)
+        outcome = await self.registry.step(episode, action.message)
         convert.explain_invalid_calls(outcome.observations, action.invalid_calls)
         return _step_response(outcome)
 
@@ -210,27 +215,27 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     # ------------------------------------------------------------ RPCs
 
-    async def Describe(self, request: env_pb2.EnvironmentServiceDescribeRequest,  # noqa: N802
+    async def Describe(self, request: env_pb2.EnvironmentServiceDescribeRequest,
                        context: grpc.aio.ServicerContext) -> env_pb2.EnvironmentServiceDescribeResponse:
         return self.describe()
 
-    async def Reset(self, request: env_pb2.ResetRequest,  # noqa: N802
+    async def Reset(self, request: env_pb2.ResetRequest,
                     context: grpc.aio.ServicerContext) -> env_pb2.ResetResponse:
         return await self.reset(request)
 
-    async def Step(self, request: env_pb2.StepRequest,  # noqa: N802
+    async def Step(self, request: env_pb2.StepRequest,
                    context: grpc.aio.ServicerContext) -> env_pb2.StepResponse:
         return await self.step(request)
 
-    async def Verify(self, request: env_pb2.VerifyRequest,  # noqa: N802
+    async def Verify(self, request: env_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> env_pb2.VerifyResponse:
         return await self.verify(request)
 
-    async def Close(self, request: env_pb2.CloseRequest,  # noqa: N802
+    async def Close(self, request: env_pb2.CloseRequest,
                     context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
         return await self.close(request)
 
-    async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],  # noqa: N802
+    async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:
         stream = SessionStream(self, self.config.heartbeat_interval_s)
         async for response in stream.run(request_iterator):
@@ -245,14 +250,14 @@ async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Env
 
 
 def _step_response(outcome: StepOutcome) -> env_pb2.StepResponse:
+    response = env_pb2.StepResponse(
+        observations=convert.messages_to_proto(outcome.observations), terminated=outcome.terminated,
+        truncated=outcome.truncated, step_count=outcome.step_count)
     if outcome.failure is not None:
-        reward = common_pb2.Reward(status=common_pb2.REWARD_STATUS_INFRA_ERROR, detail=outcome.failure)
-        info = {"error": outcome.failure}
+        response.reward.status = common_pb2.REWARD_STATUS_INFRA_ERROR
+        response.reward.detail = response.info["error"] = outcome.failure
     else:
-        reward = common_pb2.Reward(value=outcome.reward, components=outcome.components,
-                                   status=common_pb2.REWARD_STATUS_SCORED)
-        info = {}
-    return env_pb2.StepResponse(
-        observations=convert.messages_to_proto(outcome.observations), reward=reward,
-        terminated=outcome.terminated, truncated=outcome.truncated, info=info, step_count=outcome.step_count)
+        response.reward.value, response.reward.status = outcome.reward, common_pb2.REWARD_STATUS_SCORED
+        response.reward.components.update(outcome.components)
+    return response
 

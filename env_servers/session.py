@@ -67,7 +67,7 @@ class SessionStream:
             if self._running:
                 await asyncio.wait(list(self._running))
         except Exception as error:  # the transport broke; the stream ends and cleans up
-            log.info("session stream ended while reading: %s", error)
+            log.info("session stream ended while reading: %s", error, exc_info=True)
         finally:
             self._answers.put_nowait(None)
 
