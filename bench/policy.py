@@ -26,13 +26,13 @@ from pathlib import Path
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from clients.policy_client import PolicyClient, distinct_tensors, generate_request  # noqa: E402
-from policy_server.models import load_model  # noqa: E402
-from policy_server.models.byte_tokenizer import build_byte_tokenizer  # noqa: E402
-from sciproto.processes import start_server  # noqa: E402
+from clients.policy_client import PolicyClient, distinct_tensors, generate_request
+from policy_server.models import load_model
+from policy_server.models.byte_tokenizer import build_byte_tokenizer
+from sciproto.processes import start_server
 
 SEED = 3
 MB = 1e6

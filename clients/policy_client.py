@@ -12,11 +12,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 import torch
 
-from policy_server.weights_stream import MiB, chunk_parts, data_message_wire, header_for, serialize_request
+from policy_server.weights_stream import (
+    MiB,
+    chunk_parts,
+    data_message_wire,
+    header_for,
+    serialize_request,
+)
 from sciproto.channel import ChannelConfig, make_channel
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
@@ -73,7 +80,7 @@ class PolicyClient:
             "/sciproto.v1.PolicyService/UpdateWeights", request_serializer=serialize_request,
             response_deserializer=policy_pb2.UpdateWeightsResponse.FromString)
 
-    async def __aenter__(self) -> PolicyClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

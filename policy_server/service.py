@@ -24,7 +24,12 @@ from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.types import GenerationRequest, TokenDelta
-from policy_server.weights_stream import DTYPE_TO_PROTO, WeightsReceiver, check_header, parse_request
+from policy_server.weights_stream import (
+    DTYPE_TO_PROTO,
+    WeightsReceiver,
+    check_header,
+    parse_request,
+)
 from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,

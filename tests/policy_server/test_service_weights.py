@@ -4,6 +4,7 @@ that leave the old weights serving, and generation running across a swap."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Iterator, Mapping
 
 import pytest
@@ -11,9 +12,20 @@ import pytest_asyncio
 import torch
 from policy_service_helpers import SEED, policy_server_process, reference_logprobs, reference_model
 
-from clients.policy_client import PolicyClient, distinct_tensors, generate_request, push_weights_to_all
+from clients.policy_client import (
+    PolicyClient,
+    distinct_tensors,
+    generate_request,
+    push_weights_to_all,
+)
 from policy_server.weights_stream import header_for
-from sciproto.errors import FailedPrecondition, InvalidArgument, Reason, SciprotoError, from_rpc_error
+from sciproto.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Reason,
+    SciprotoError,
+    from_rpc_error,
+)
 from sciproto.pb import policy_grpc, policy_pb2
 from sciproto.processes import ServerProcess
 
@@ -135,7 +147,7 @@ async def test_generation_runs_across_an_update(client: PolicyClient) -> None:
         spans = [(s.start, s.end, s.policy_version) for s in sample.version_spans]
         # spans tile the completion and versions only move forward
         assert spans[0][0] == 0 and spans[-1][1] == len(sample.completion_token_ids)
-        assert all(a[1] == b[0] and a[2] < b[2] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] and a[2] < b[2] for a, b in itertools.pairwise(spans))
         assert {v for _, _, v in spans} <= {version, version + 1}
         spanning += len(spans) == 2
     assert spanning >= 1
