@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
 # Run the test suite: sets up .venv, a headless Chromium for the viewer test,
-# then pytest. Extra arguments go to pytest (e.g. scripts/test.sh -k env).
+# gRPC C++ for the C++ client test, then pytest. Extra arguments go to pytest
+# (e.g. scripts/test.sh -k env).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup-venv.sh
 
-if ! command -v chromium >/dev/null 2>&1 && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+# Debian packages some tests need, installed only when missing and only as root;
+# the package index is refreshed at most once per run. Without them those tests skip.
+can_apt_install() { [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; }
+apt_updated=false
+apt_install() {
+  { $apt_updated || apt-get update -qq; } && apt_updated=true \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+if ! command -v chromium >/dev/null 2>&1 && can_apt_install; then
   echo "installing chromium for the viewer test"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+  apt_install chromium \
     || echo "chromium could not be installed; the viewer's browser test will be skipped" >&2
+fi
+
+# The C++ client (clients/cpp) builds its gRPC stubs from proto/ with these.
+cpp_toolchain_ready() {
+  command -v cmake && command -v c++ && command -v protoc && command -v grpc_cpp_plugin \
+    && command -v pkg-config && pkg-config --exists grpc++ protobuf
+} >/dev/null 2>&1
+if ! cpp_toolchain_ready && can_apt_install; then
+  echo "installing gRPC C++ and protoc for the C++ client test"
+  apt_install --no-install-recommends libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev cmake g++ pkg-config \
+    || echo "gRPC C++ could not be installed; the C++ client test will be skipped" >&2
 fi
 
 export LITELLM_LOCAL_MODEL_COST_MAP=True
