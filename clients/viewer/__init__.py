@@ -6,26 +6,7 @@ sorting, a histogram of their rewards, and each rollout's transcript with its
 tool calls and tool outputs. Nothing is fetched from the internet.
 
 FILE is the rollout line format that `sciproto collect` writes and training
-reads, one JSON object per line, UTF-8:
-
-    {"schema": "sciproto.rollout/1",
-     "rollout_id": "gsm8k/test/3/0",   # env/split/index/sample: unique key
-     "group_id": "gsm8k/test/3",       # samples of one task form a group
-     "env": "gsm8k", "split": "test", "index": 3, "sample": 0,
-     "task": {"question": "..."},      # the env's task summary (strings)
-     "status": "SCORED" | "UNSCORED" | "INFRA_ERROR",
-     "reward": 1.0, "reward_components": {"correct": 1.0}, "reward_detail": "",
-     "terminated": true, "truncated": false, "steps": 2,
-     "messages": [{"role": "system|user|assistant|tool", "content": "...",
-                   "tool_calls": [{"id": "...", "name": "...", "arguments": "{json}"}],
-                   "tool_call_id": "", "name": ""}, ...],
-     "token_ids": [...], "loss_mask": [...], "logprobs": [...],  # loss_mask 1 = policy token
-     "version_spans": [[start, end, version], ...],              # indices into token_ids
-     "tokens": {"prompt": 120, "completion": 40},
-     "policy_version": {"min": 3, "max": 4},
-     "seconds": 1.73, "trace_id": "32 hex chars or empty", "error": null | "what failed",
-     "finished_at": "ISO 8601 UTC"}
-
+reads (schema `sciproto.rollout/1`, documented in `clients/rollouts.py`).
 INFRA_ERROR rollouts (the environment failed, or servers were unreachable)
 go to the failures file; the viewer shows them with their `error`.
 """
