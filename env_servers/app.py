@@ -16,9 +16,11 @@ import yaml
 from env_servers.catalog import EnvironmentSource, load_source
 from env_servers.config import EnvServerConfig
 from env_servers.service import EnvironmentService
+from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_config, resolve_path
 from sciproto.pb import ENV_SERVICE, env_grpc
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("env_servers.app")
 
@@ -33,12 +35,7 @@ def load_settings(config: str | None, overrides: list[str]) -> EnvServerConfig:
         loaded = yaml.safe_load(resolve_path(config).read_text())
         if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict):
             section = SECTION
-    settings = load_config(EnvServerConfig, config, overrides, section=section)
-    if settings.auth is not None:
-        raise ConfigError(
-            f"authentication settings were given ({sorted(settings.auth)}) but this server does not"
-            " apply them yet; remove `auth` (and --auth) or run it behind an authenticating proxy")
-    return settings
+    return load_config(EnvServerConfig, config, overrides, section=section)
 
 
 def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
@@ -51,23 +48,31 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
     return sources
 
 
-async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource]) -> None:
+async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource],
+                authenticator: Authenticator | None) -> None:
     service = EnvironmentService(settings, sources)
     # Everything imported so far (Aviary, litellm, pandas) lives as long as the process: keep it
     # out of the collector's full passes, which otherwise walk it while serving and at exit.
     gc.freeze()
     service.start()
-    running = await start_server(
-        settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)])
-    log.info("hosting %s on %s:%d", ", ".join(sources), settings.server.host, running.port)
-    await serve_until_signalled(running, on_ready=lambda port: announce_port("env", port))
+    setup_tracing(settings.tracing, "sciproto-env")
+    try:
+        running = await start_server(
+            settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)],
+            interceptors=server_interceptors(settings.tracing), auth=authenticator)
+        log.info("hosting %s on %s:%d", ", ".join(sources), settings.server.host, running.port)
+        await serve_until_signalled(running, on_ready=lambda port: announce_port("env", port))
+    finally:
+        shutdown_tracing()
 
 
 def main(config: str | None, overrides: list[str]) -> None:
     try:
         settings = load_settings(config, overrides)
+        # Tokens are read before the environments load, so a missing one fails at once.
+        authenticator = settings.auth.load()
         sources = load_sources(settings)
     except ConfigError as error:
         print(f"sciproto serve env: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    asyncio.run(serve(settings, sources))
+    asyncio.run(serve(settings, sources, authenticator))

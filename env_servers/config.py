@@ -3,12 +3,14 @@ the limits of its episode registry."""
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from env_servers.catalog import builtin_names
+from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
+from sciproto.tracing import TracingConfig
 
 
 class EnvServerConfig(BaseModel):
@@ -28,7 +30,8 @@ class EnvServerConfig(BaseModel):
     heartbeat_interval_s: float = Field(5.0, gt=0, description="Session heartbeat period while an operation runs")
     idempotency_cache_size: int = Field(8192, gt=0, description="Results kept for retried request_ids")
     retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay sent with a refused Reset")
-    auth: dict[str, Any] | None = Field(None, description="Authentication settings; None: no authentication")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens and roles; off unless set")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Span exporter; off by default")
 
     @model_validator(mode="after")
     def _options_name_hosted_envs(self) -> Self:

@@ -1,6 +1,11 @@
 """Live episodes: one Aviary environment each, a lock that serializes its operations (Aviary does
 not serialize steps on one environment), idle expiry, a cap on how many are open, and counters.
 
+With authentication on, every episode belongs to the principal that opened it: it counts against
+that principal's live-episode quota until it is closed (by Close, the end of its Session stream,
+expiry or shutdown), and to every other principal it does not exist, so one team can neither
+step, grade nor close another team's episodes.
+
 Nothing here knows the wire format: the service converts requests into calls on this registry
 and its results into responses.
 """
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from aviary.core import Environment, Message, Tool
 
 from env_servers.catalog import reward_components
+from sciproto.auth import claim_episode, current_principal
 from sciproto.errors import (
     FailedPrecondition,
     Internal,
@@ -27,6 +33,7 @@ from sciproto.errors import (
     ResourceExhausted,
     SciprotoError,
 )
+from sciproto.limits import EpisodeClaim
 
 log = logging.getLogger("env_servers.registry")
 
@@ -56,6 +63,8 @@ class Episode:
     env_name: str
     env: Environment
     tools: list[Tool]
+    owner: str | None = None  # principal that opened it; None when authentication is off
+    claim: EpisodeClaim = field(default_factory=lambda: EpisodeClaim(None))  # its place in the owner's quota
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
     step_count: int = 0
@@ -112,8 +121,10 @@ class Episode:
         return StepOutcome([], 0.0, False, True, self.step_count, failure=reason)
 
     async def close(self) -> None:
-        """Close the environment once no operation holds the episode; failures are logged."""
+        """Close the environment once no operation holds the episode; failures are logged. The
+        owner's quota gets the episode back at once, whatever closing the environment does."""
         self.closed = True
+        self.claim.release()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 async with self.lock:
@@ -158,14 +169,16 @@ class EpisodeRegistry:
     async def open(self, env_name: str, make: Callable[[], Awaitable[Environment]],
                    seed: int | None = None) -> tuple[Episode, list[Message]]:
         """Build an environment with `make`, reset it (with `seed` where its reset takes one),
-        and register it as a new episode. Beyond `max_live_episodes` the caller is told to come
-        back later."""
+        and register it as a new episode of the calling principal. Beyond `max_live_episodes`,
+        or beyond the principal's own quota, the caller is told to come back later."""
         if self.live + self._opening >= self.max_live_episodes:
             raise ResourceExhausted(
                 f"{self.max_live_episodes} episodes are open, the most this server holds; close"
                 f" finished episodes or retry after {self.retry_after_s:g} s",
                 Reason.TOO_MANY_EPISODES, retry_after_s=self.retry_after_s,
                 metadata={"max_live_episodes": str(self.max_live_episodes)})
+        claim = claim_episode(self.retry_after_s)
+        registered = False
         self._opening += 1
         try:
             env = await make()
@@ -174,12 +187,15 @@ class EpisodeRegistry:
             except BaseException:
                 await Episode("", env_name, env, []).close()
                 raise
-            episode = Episode(uuid.uuid4().hex, env_name, env, list(tools))
+            episode = Episode(uuid.uuid4().hex, env_name, env, list(tools), owner=_caller(), claim=claim)
             self._episodes[episode.id] = episode
+            registered = True
             self.counters.opened += 1
             return episode, list(observations)
         finally:
             self._opening -= 1
+            if not registered:
+                claim.release()
 
     async def _reset(self, env: Environment, seed: int | None) -> tuple[list[Message], list[Tool]]:
         takes_seed = seed is not None and "seed" in inspect.signature(env.reset).parameters
@@ -196,8 +212,15 @@ class EpisodeRegistry:
             raise Internal(f"the environment failed to reset: {type(error).__name__}: {error}",
                            Reason.ENVIRONMENT_FAILED) from error
 
-    def get(self, episode_id: str) -> Episode:
+    def find(self, episode_id: str) -> Episode | None:
+        """The open episode `episode_id` if the calling principal owns it, else None."""
         episode = self._episodes.get(episode_id)
+        return episode if episode is not None and episode.owner == _caller() else None
+
+    def get(self, episode_id: str) -> Episode:
+        """The caller's open episode `episode_id`, or EPISODE_NOT_FOUND (also for an episode of
+        another principal: its existence is not revealed)."""
+        episode = self.find(episode_id)
         if episode is None:
             raise NotFound(
                 f"no open episode {episode_id!r}: it was never opened here, was closed, or expired"
@@ -215,16 +238,18 @@ class EpisodeRegistry:
         return outcome
 
     async def close(self, episode_id: str) -> bool:
-        """Close an episode; False if it was not open (closing twice is not an error)."""
-        episode = self._episodes.pop(episode_id, None)
-        if episode is None:
+        """Close one of the caller's episodes; False if it was not open, or is another
+        principal's, as for an episode never opened (closing twice is not an error)."""
+        if self.find(episode_id) is None:
             return False
+        episode = self._episodes.pop(episode_id)
         await episode.close()
         return True
 
     async def close_all(self, episode_ids: list[str]) -> int:
-        """Close the open ones of several episodes, even if the caller is being cancelled;
-        returns how many were open."""
+        """Close the open ones of several episodes, whoever owns them, even if the caller is
+        being cancelled; returns how many were open. For the server's own cleanup (stream end,
+        expiry, shutdown), never on a caller's request."""
         episodes = [e for e in (self._episodes.pop(i, None) for i in episode_ids) if e is not None]
         if episodes:
             closing = asyncio.ensure_future(asyncio.gather(*(e.close() for e in episodes)))
@@ -259,3 +284,9 @@ class EpisodeRegistry:
             log.info("closing %d episodes idle for more than %g s", len(idle), self.idle_ttl_s)
             expired = await self.close_all(idle)
             self.counters.expired += expired
+
+
+def _caller() -> str | None:
+    """The name of the principal making the current call; None when authentication is off."""
+    principal = current_principal()
+    return principal.name if principal is not None else None

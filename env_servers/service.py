@@ -1,11 +1,14 @@
 """EnvironmentService: requests in, registry calls, responses out.
 
 The four operations (reset, step, verify, close) are written once, as methods that take and
-return protobuf messages; the unary RPCs and the Session stream both call them.
+return protobuf messages; the unary RPCs and the Session stream both call them. Each runs in its
+own span (`sciproto.env.step gsm8k`, ...), a child of the caller's span named by the request's
+trace_context (see `sciproto.tracing.span_for_request`), with the env, episode id and reward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -13,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 from aviary.core import Environment
+from opentelemetry.trace import Span
 
 from env_servers import convert
 from env_servers.catalog import (
@@ -25,14 +29,16 @@ from env_servers.config import EnvServerConfig
 from env_servers.idempotency import IdempotencyCache
 from env_servers.registry import EpisodeRegistry, StepOutcome
 from env_servers.session import SessionStream
+from sciproto.auth import current_principal
 from sciproto.errors import (
     InvalidArgument,
     NotFound,
     Reason,
     Unimplemented,
 )
-from sciproto.pb import common_pb2, env_grpc, env_pb2
-from sciproto.version import PROTOCOL_VERSION, __version__
+from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
+from sciproto.server import server_info
+from sciproto.tracing import Attr, Operation, span_for_request, span_name
 
 log = logging.getLogger("env_servers.service")
 
@@ -78,9 +84,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
     # ------------------------------------------------------------ operations
 
     def describe(self) -> env_pb2.EnvironmentServiceDescribeResponse:
-        server = common_pb2.ServerInfo(
-            protocol_version=PROTOCOL_VERSION, server_version=__version__, implementation="sciproto-env",
-            capabilities=CAPABILITIES, limits=self.config.server.message_limits())
+        server = server_info(self.config.server, "sciproto-env", CAPABILITIES, service=ENV_SERVICE,
+                             auth=self.config.auth)
         environments = [
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
@@ -100,11 +105,17 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                 episodes_expired=counters.expired, steps=counters.steps, errors=counters.errors))
 
     @_counts_errors
-    async def reset(self, request: env_pb2.ResetRequest, detach: bool = True) -> env_pb2.ResetResponse:
+    async def reset(self, request: env_pb2.ResetRequest, *, context: grpc.aio.ServicerContext | None = None,
+                    detach: bool = True) -> env_pb2.ResetResponse:
         """detach: finish even if the caller goes away (see IdempotencyCache.run)."""
-        fingerprint = request.SerializeToString(deterministic=True)
-        return await self.idempotency.run("reset", request.request_id, fingerprint,
-                                          lambda: self._reset(request), detach=detach)
+        task_id = (f"{request.env}/{request.task_ref.split}/{request.task_ref.index}"
+                   if request.HasField("task_ref") else None)
+        with span_for_request(span_name(Operation.ENV_RESET, request.env), context, request.trace_context,
+                              **{Attr.ENV_NAME: request.env, Attr.TASK_ID: task_id}) as span:
+            response = await self.idempotency.run(_scoped("reset"), request.request_id, _reset_fingerprint(request),
+                                                  lambda: self._reset(request), detach=detach)
+            span.set_attribute(Attr.EPISODE_ID, response.episode_id)
+            return response
 
     async def _reset(self, request: env_pb2.ResetRequest) -> env_pb2.ResetResponse:
         source = self._source(request.env)
@@ -133,10 +144,14 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                                      tools=tools, task_summary=summary)
 
     @_counts_errors
-    async def step(self, request: env_pb2.StepRequest, detach: bool = True) -> env_pb2.StepResponse:
+    async def step(self, request: env_pb2.StepRequest, *, context: grpc.aio.ServicerContext | None = None,
+                   detach: bool = True) -> env_pb2.StepResponse:
         fingerprint = (request.episode_id, request.action.SerializeToString())
-        return await self.idempotency.run("step", request.request_id, fingerprint,
-                                          lambda: self._step(request), detach=detach)
+        with self._episode_span(Operation.ENV_STEP, request, request.episode_id, context) as span:
+            response = await self.idempotency.run(_scoped("step"), request.request_id, fingerprint,
+                                                  lambda: self._step(request), detach=detach)
+            _record_reward(span, response.reward)
+            return response
 
     async def _step(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
         episode = self.registry.get(request.episode_id)
@@ -146,12 +161,20 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         return _step_response(outcome)
 
     @_counts_errors
-    async def verify(self, request: env_pb2.VerifyRequest) -> env_pb2.VerifyResponse:
+    async def verify(self, request: env_pb2.VerifyRequest, *,
+                     context: grpc.aio.ServicerContext | None = None) -> env_pb2.VerifyResponse:
         which = request.WhichOneof("target")
-        if which == "episode_id":
-            return env_pb2.VerifyResponse(reward=self._episode_reward(request.episode_id))
         if which == "trajectory":
-            return env_pb2.VerifyResponse(reward=await self._trajectory_reward(request.trajectory))
+            with span_for_request(span_name(Operation.ENV_VERIFY, request.trajectory.env), context,
+                                  request.trace_context, **{Attr.ENV_NAME: request.trajectory.env}) as span:
+                reward = await self._trajectory_reward(request.trajectory)
+                _record_reward(span, reward)
+                return env_pb2.VerifyResponse(reward=reward)
+        if which == "episode_id":
+            with self._episode_span(Operation.ENV_VERIFY, request, request.episode_id, context) as span:
+                reward = self._episode_reward(request.episode_id)
+                _record_reward(span, reward)
+                return env_pb2.VerifyResponse(reward=reward)
         raise InvalidArgument("VerifyRequest names nothing to grade: set episode_id or trajectory",
                               Reason.INVALID_REQUEST)
 
@@ -190,8 +213,18 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         return common_pb2.Reward(value=value, components=components, status=common_pb2.REWARD_STATUS_SCORED)
 
     @_counts_errors
-    async def close(self, request: env_pb2.CloseRequest) -> env_pb2.CloseResponse:
-        return env_pb2.CloseResponse(closed=await self.registry.close(request.episode_id))
+    async def close(self, request: env_pb2.CloseRequest, *,
+                    context: grpc.aio.ServicerContext | None = None) -> env_pb2.CloseResponse:
+        with self._episode_span(Operation.ENV_CLOSE, request, request.episode_id, context):
+            return env_pb2.CloseResponse(closed=await self.registry.close(request.episode_id))
+
+    def _episode_span(self, operation: str, request: Any, episode_id: str,
+                      context: grpc.aio.ServicerContext | None) -> contextlib.AbstractContextManager[Span]:
+        """The span of an operation on an open episode, named after the episode's environment."""
+        episode = self.registry.find(episode_id)
+        env = episode.env_name if episode is not None else None
+        return span_for_request(span_name(operation, env), context, request.trace_context,
+                                **{Attr.ENV_NAME: env, Attr.EPISODE_ID: episode_id})
 
     # ------------------------------------------------------------ checks
 
@@ -221,23 +254,23 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def Reset(self, request: env_pb2.ResetRequest,
                     context: grpc.aio.ServicerContext) -> env_pb2.ResetResponse:
-        return await self.reset(request)
+        return await self.reset(request, context=context)
 
     async def Step(self, request: env_pb2.StepRequest,
                    context: grpc.aio.ServicerContext) -> env_pb2.StepResponse:
-        return await self.step(request)
+        return await self.step(request, context=context)
 
     async def Verify(self, request: env_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> env_pb2.VerifyResponse:
-        return await self.verify(request)
+        return await self.verify(request, context=context)
 
     async def Close(self, request: env_pb2.CloseRequest,
                     context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
-        return await self.close(request)
+        return await self.close(request, context=context)
 
     async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:
-        stream = SessionStream(self, self.config.heartbeat_interval_s)
+        stream = SessionStream(self, self.config.heartbeat_interval_s, context)
         async for response in stream.run(request_iterator):
             yield response
 
@@ -247,6 +280,31 @@ async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Env
         return await source.make_inline(fields)
     except ValueError as error:
         raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
+
+
+def _scoped(operation: str) -> str:
+    """The idempotency namespace of `operation` for the calling principal: a request_id one
+    principal chose never answers with another principal's result."""
+    principal = current_principal()
+    return f"{operation} by {principal.name}" if principal is not None else operation
+
+
+def _reset_fingerprint(request: env_pb2.ResetRequest) -> bytes:
+    """What a Reset asks for: the request without its id and trace context (a retry sent from
+    another span is still the same Reset)."""
+    asked = env_pb2.ResetRequest()
+    asked.CopyFrom(request)
+    asked.ClearField("request_id")
+    asked.ClearField("trace_context")
+    return asked.SerializeToString(deterministic=True)
+
+
+def _record_reward(span: Span, reward: common_pb2.Reward) -> None:
+    if span.is_recording():
+        span.set_attributes({
+            Attr.REWARD_VALUE: reward.value,
+            Attr.REWARD_STATUS: common_pb2.RewardStatus.Name(reward.status).removeprefix("REWARD_STATUS_"),
+        })
 
 
 def _step_response(outcome: StepOutcome) -> env_pb2.StepResponse:

@@ -6,6 +6,9 @@ request_id; a failed operation is answered with an in-band google.rpc.Status and
 on. While operations run longer than the heartbeat interval, the stream sends heartbeats. When
 the stream ends (the client half-closes, cancels or disconnects), every episode opened on it and
 not yet closed is closed.
+
+The stream as a whole needs the AGENT role (checked before it starts); a verify on it also needs
+GRADER, checked per operation, as the unary Verify RPC requires.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
+
+from sciproto.auth import AuthRole, require_role
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
 from sciproto.pb import env_pb2
 
@@ -34,8 +40,10 @@ class _Running:
 
 
 class SessionStream:
-    def __init__(self, service: EnvironmentService, heartbeat_interval_s: float) -> None:
+    def __init__(self, service: EnvironmentService, heartbeat_interval_s: float,
+                 context: grpc.aio.ServicerContext | None = None) -> None:
         self.service = service
+        self.context = context
         self.heartbeat_interval_s = heartbeat_interval_s
         self._answers: asyncio.Queue[env_pb2.SessionResponse | None] = asyncio.Queue()
         self._running: dict[asyncio.Task[None], _Running] = {}
@@ -84,19 +92,20 @@ class SessionStream:
         self._answers.put_nowait(answer)
 
     async def _apply(self, request: env_pb2.SessionRequest, answer: env_pb2.SessionResponse) -> None:
-        service = self.service
+        service, context = self.service, self.context
         operation = request.WhichOneof("operation")
         if operation == "step":
-            answer.step.CopyFrom(await service.step(request.step, detach=False))
+            answer.step.CopyFrom(await service.step(request.step, context=context, detach=False))
         elif operation == "reset":
-            reset = await service.reset(request.reset, detach=False)
+            reset = await service.reset(request.reset, context=context, detach=False)
             self._opened.add(reset.episode_id)
             answer.episode_id = reset.episode_id
             answer.reset.CopyFrom(reset)
         elif operation == "verify":
-            answer.verify.CopyFrom(await service.verify(request.verify))
+            require_role(AuthRole.GRADER)
+            answer.verify.CopyFrom(await service.verify(request.verify, context=context))
         elif operation == "close":
-            answer.close.CopyFrom(await service.close(request.close))
+            answer.close.CopyFrom(await service.close(request.close, context=context))
             self._opened.discard(request.close.episode_id)
         else:
             raise InvalidArgument("SessionRequest carries no operation: set reset, step, verify or close",

@@ -96,8 +96,8 @@ class GSM8kSource(EnvironmentSource):
         )
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
-        row = self._rows[split][index]
-        return {"question": row["question"], "answer": row["answer"].split("#### ")[-1]}
+        # The summary reaches the agent (ResetResponse.task_summary): never the answer.
+        return {"question": self._rows[split][index]["question"]}
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

@@ -185,11 +185,11 @@ class NotebookSource(EnvironmentSource):
         )
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
+        # The summary reaches the agent (ResetResponse.task_summary): never the answer.
         task = self._tasks[split][index]
         return {
             "id": task.id,
             "question": task.question,
-            "answer": task.answer,
             "files": json.dumps(task.files),
         }
 

@@ -83,7 +83,8 @@ class EnvironmentSource(ABC):
 
     @abstractmethod
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
-        """Short description of a valid task for logs and viewers."""
+        """Short description of a valid task for logs and viewers. It is sent to the agent with
+        every Reset, so it must not contain the answer or anything else that grades the task."""
 
     async def make(self, split: str, index: int) -> Environment:
         self.check_task(split, index)

@@ -17,6 +17,7 @@ from env_servers.catalog import (
     reward_components,
 )
 from env_servers.envs.toy import DigitsTaskDataset
+from tests.env_servers.answers import expected_answer
 
 
 def call(tool: str, **arguments: object) -> ToolRequestMessage:
@@ -41,7 +42,8 @@ async def test_gsm8k_data_loads_through_aviary_loader() -> None:
     for split, size in source.splits.items():
         for index in range(size):
             env = await source.make(split, index)
-            assert env.answer == float(source.task_summary(split, index)["answer"])
+            assert env.answer == float(expected_answer("gsm8k", split, index))
+            assert set(source.task_summary(split, index)) == {"question"}
 
 
 async def test_gsm8k_episode_with_calculator_and_correct_submission() -> None:
@@ -55,14 +57,14 @@ async def test_gsm8k_episode_with_calculator_and_correct_submission() -> None:
     observations, reward, done, _ = await env.step(call("calculator", expr="6 * 7"))
     assert (observations[0].content, reward, done) == ("42", 0.0, False)
 
-    _, reward, done, _ = await env.step(call("submit_answer", answer=summary["answer"]))
+    _, reward, done, _ = await env.step(call("submit_answer", answer=expected_answer("gsm8k", "train", 0)))
     assert (reward, done) == (1.0, True)
     await env.close()
 
 
 async def test_gsm8k_wrong_and_malformed_submissions() -> None:
     source = load_source("gsm8k")
-    wrong = str(float(source.task_summary("test", 5)["answer"]) + 1)
+    wrong = str(float(expected_answer("gsm8k", "test", 5)) + 1)
     env = await source.make("test", 5)
     await env.reset()
     _, reward, done, _ = await env.step(call("submit_answer", answer=wrong))
@@ -76,7 +78,7 @@ async def test_gsm8k_wrong_and_malformed_submissions() -> None:
 
 async def test_gsm8k_rescore_and_inline_tasks() -> None:
     source = load_source("gsm8k")
-    answer = source.task_summary("train", 3)["answer"]
+    answer = expected_answer("gsm8k", "train", 3)
     trajectory = [Message(content="question"), call("submit_answer", answer=answer)]
     assert await source.rescore("train", 3, trajectory) == (1.0, {"correct": 1.0, "submitted": 1.0})
     trajectory[-1] = call("submit_answer", answer=answer + "1")
@@ -125,7 +127,8 @@ async def test_notebook_episode_runs_pandas_in_a_local_kernel() -> None:
     observations, reward, done, _ = await env.step(call("edit_cell", contents=code))
     assert (reward, done) == (0.0, False)
     computed = printed_output(observations[-1])
-    assert computed == summary["answer"]
+    assert "answer" not in summary
+    assert computed == expected_answer("notebook", "train", index)
     assert len(kernel_processes()) == 1
 
     _, reward, done, _ = await env.step(call("submit_answer", answer=computed))
@@ -157,7 +160,7 @@ async def test_notebook_answer_checks_and_rescore() -> None:
         for i in range(source.splits["train"])
         if "Round to 2 decimal places" in source.task_summary("train", i)["question"]
     )
-    answer = float(source.task_summary("train", rounded)["answer"])
+    answer = float(expected_answer("notebook", "train", rounded))
     for submitted, expected in [(f"{answer + 0.004}", 1.0), (f"{answer + 0.05}", 0.0)]:
         trajectory = [call("submit_answer", answer=submitted)]
         assert (await source.rescore("train", rounded, trajectory))[0] == expected

@@ -19,6 +19,7 @@ from sciproto.errors import (
 )
 from sciproto.pb import common_pb2, env_grpc, env_pb2
 from sciproto.processes import ServerProcess
+from tests.env_servers.answers import expected_answer
 from tests.env_servers.conftest import live_episodes, wait_for_live_episodes
 
 SCORED = common_pb2.REWARD_STATUS_SCORED
@@ -67,7 +68,8 @@ async def test_gsm8k_episode_over_unary_calls(env_server: ServerProcess) -> None
         assert (step.observations[0].role, step.observations[0].content) == (common_pb2.ROLE_TOOL, "42")
         assert (step.terminated, step.step_count) == (False, 1)
 
-        step = await client.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        assert "answer" not in reset.task_summary  # the agent never sees the answer
+        step = await client.step(reset.episode_id, submit(expected_answer("gsm8k", "test", 0)))
         assert (step.reward.value, step.reward.status, step.terminated) == (1.0, SCORED, True)
 
         verified = await client.verify(reset.episode_id)
@@ -94,7 +96,7 @@ async def test_gsm8k_episodes_over_one_session(env_server: ServerProcess) -> Non
     async def episode(session, index: int) -> tuple[float, float]:
         reset = await session.reset("gsm8k", split="train", index=index)
         await session.step(reset.episode_id, calculator("2 + 2"))
-        step = await session.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        step = await session.step(reset.episode_id, submit(expected_answer("gsm8k", "train", index)))
         verified = await session.verify(reset.episode_id)
         assert (await session.close(reset.episode_id)).closed
         return step.reward.value, verified.reward.value
@@ -113,7 +115,8 @@ async def test_notebook_episode_with_correct_answer(env_server: ServerProcess) -
             f"import json, pandas as pd\nprint([len(pd.read_csv(f)) for f in json.loads({files!r})])"))
         assert step.reward.status == SCORED and not step.terminated
         assert "Cell 0" in text(step.observations) and "Error" not in text(step.observations)
-        step = await session.step(reset.episode_id, submit(reset.task_summary["answer"]))
+        assert "answer" not in reset.task_summary
+        step = await session.step(reset.episode_id, submit(expected_answer("notebook", "test", 0)))
         assert (step.reward.value, step.terminated) == (1.0, True)
         assert dict(step.reward.components) == {"correct": 1.0}
 
@@ -253,7 +256,7 @@ async def test_session_answers_errors_in_band_and_keeps_going(env_server: Server
 async def test_verify_stored_trajectories(env_server: ServerProcess) -> None:
     async with EnvClient(env_server.target) as client:
         reset = await client.reset("gsm8k", split="test", index=7)
-        answer = reset.task_summary["answer"]
+        answer = expected_answer("gsm8k", "test", 7)
         await client.close(reset.episode_id)
         trajectory = env_pb2.StoredTrajectory(
             env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=7),
