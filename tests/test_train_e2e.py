@@ -1,0 +1,71 @@
+"""`sciproto train --config demo` as a real process: the tiny model must learn the toy task."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clients.rollouts import read_rollouts
+
+STEPS = 16
+WINDOW = 3  # steps averaged at each end of the run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "sciproto",
+        "train",
+        "--config",
+        "demo",
+        "--set",
+        f"run.dir={tmp_path}",
+        "--set",
+        "run.name=e2e",
+        "--set",
+        "progress=false",
+        "--set",
+        f"budget.max_steps={STEPS}",
+        "--set",
+        "budget.max_seconds=480",
+    ]
+    finished = subprocess.run(
+        command,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=560,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    run_dir = tmp_path / "e2e"
+
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # A step already under way when the budget ran out may finish and be logged too.
+    assert [s["step"] for s in steps][:STEPS] == list(range(1, STEPS + 1))
+    steps = steps[:STEPS]
+    first = sum(s["reward_mean"] for s in steps[:WINDOW]) / WINDOW
+    last = sum(s["reward_mean"] for s in steps[-WINDOW:]) / WINDOW
+    assert first < 0.2, f"a random model should start low, got {first:.3f}"
+    assert last > 0.8, f"reward rose only from {first:.3f} to {last:.3f}"
+    assert all(s["policy_lag_max"] <= 1 for s in steps), "max_staleness 1 bounds the lag"
+
+    assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checkpoint = max((run_dir / "checkpoints").glob("step_*"))
+    assert int(checkpoint.name.removeprefix("step_")) >= STEPS
+    assert (checkpoint / "model.safetensors").is_file() and (
+        checkpoint / "learner_state.json"
+    ).is_file()
+    rollouts = list(read_rollouts(run_dir / "rollouts.jsonl"))
+    assert len(rollouts) >= STEPS * 16 * 8 // 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "max_steps"
+    assert len({r.rollout_id for r in rollouts}) == len(rollouts), "every rollout line is unique"
