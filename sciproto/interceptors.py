@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from sciproto.errors import Internal, SciprotoError, trailers_for
+from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, trailers_for
 
 log = logging.getLogger("sciproto.server")
 
@@ -66,9 +66,57 @@ def wrap_handler(
     return handler._replace(stream_stream=stream_response(handler.stream_stream))
 
 
+def parse_inside(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A copy of `handler` that takes the request bytes and parses them itself, so that bytes
+    that are not the method's message (corrupt wire format, invalid UTF-8 in a string field)
+    raise InvalidArgument inside the call: grpc.aio answers a failing deserializer with UNKNOWN."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+
+    def decode(wire: bytes) -> Any:
+        try:
+            return parse(wire)
+        except Exception as error:  # noqa: BLE001 -- whatever the deserializer raises, the bytes were at fault
+            raise InvalidArgument(
+                f"the request is not a valid message of this method ({type(error).__name__}: {error});"
+                " send the method's request type, with UTF-8 text in every string field",
+                Reason.INVALID_REQUEST) from None
+
+    async def decoded(requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for wire in requests:
+            yield decode(wire)
+
+    def one(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda request, context: behaviour(decode(request), context)
+
+    def many(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda requests, context: behaviour(decoded(requests), context)
+
+    if handler.unary_unary:
+        return handler._replace(request_deserializer=None, unary_unary=one(handler.unary_unary))
+    if handler.unary_stream:
+        return handler._replace(request_deserializer=None, unary_stream=one(handler.unary_stream))
+    if handler.stream_unary:
+        return handler._replace(request_deserializer=None, stream_unary=many(handler.stream_unary))
+    return handler._replace(request_deserializer=None, stream_stream=many(handler.stream_stream))
+
+
 class ErrorInterceptor(AroundInterceptor):
     """Turns SciprotoError into its status with ErrorInfo; anything unexpected
-    into INTERNAL with the traceback logged here (never sent to the client)."""
+    into INTERNAL with the traceback logged here (never sent to the client).
+    Requests are parsed inside it (see `parse_inside`), so undecodable bytes
+    are INVALID_ARGUMENT."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return wrap_handler(parse_inside(handler), handler_call_details.method, self.around)
 
     @contextlib.asynccontextmanager
     async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
