@@ -4,6 +4,7 @@ what the client must fix), and the backend's deltas and samples back into stream
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from policy_server import types
@@ -63,8 +64,8 @@ def sampling_params(request: policy_pb2.GenerateRequest, default_max_tokens: int
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     n = request.n or 1
-    if temperature < 0:
-        raise _invalid(f"sampling.temperature is {temperature}; use 0 (greedy) or a positive value")
+    if not 0 <= temperature < math.inf:  # also refuses NaN, which would sample NaN logprobs
+        raise _invalid(f"sampling.temperature is {temperature}; use 0 (greedy) or a positive finite value")
     if not 0 < top_p <= 1:
         raise _invalid(f"sampling.top_p is {top_p}; it must be in (0, 1], or unset for 1.0")
     if n > max_samples:
