@@ -87,12 +87,22 @@ def sample_from_pb(rollout: learner_pb2.Rollout) -> TrainSample:
             rollout_logprobs=list(rollout.rollout_logprobs),
             policy_versions=versions,
             reward=rollout.reward.value,
-            reward_status=_STATUS_FROM_PB[rollout.reward.status],
+            reward_status=_reward_status(rollout),
             sample_index=rollout.sample_index,
         )
     except ValidationError as error:
         reasons = "; ".join(e["msg"] for e in error.errors())
         raise InvalidGroup(f"sample {rollout.sample_index}: {reasons}") from None
+
+
+def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:
+    status = _STATUS_FROM_PB.get(rollout.reward.status)
+    if status is None:  # an enum number from a newer contract, or garbage
+        raise InvalidGroup(
+            f"sample {rollout.sample_index}: reward.status {rollout.reward.status} is not a known "
+            "RewardStatus; use REWARD_STATUS_SCORED, _UNSCORED or _INFRA_ERROR"
+        )
+    return status
 
 
 def group_from_pb(group: learner_pb2.RolloutGroup) -> RolloutGroup:
