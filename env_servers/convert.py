@@ -107,6 +107,11 @@ class Action:
     invalid_calls: dict[str, str] = field(default_factory=dict)  # ToolCall.id -> reason
 
 
+def _role_name(role: int) -> str:
+    """The enum name of `role`, or its number when it is none of Role's (open enums take any int)."""
+    return common_pb2.Role.Name(role) if role in common_pb2.Role.values() else str(role)
+
+
 def action_from_proto(action: common_pb2.ChatMessage, tools: Sequence[Tool]) -> Action:
     """The Aviary action for an assistant ChatMessage, checked against the episode's tools.
 
@@ -116,7 +121,7 @@ def action_from_proto(action: common_pb2.ChatMessage, tools: Sequence[Tool]) -> 
     """
     if action.role != common_pb2.ROLE_ASSISTANT:
         raise InvalidArgument(
-            f"action.role is {common_pb2.Role.Name(action.role)}; an action must be an assistant"
+            f"action.role is {_role_name(action.role)}; an action must be an assistant"
             " message (ROLE_ASSISTANT) with tool calls or content",
             Reason.INVALID_ACTION,
         )
