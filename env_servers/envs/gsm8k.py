@@ -4,14 +4,18 @@ The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset
 `hf_source=<that folder>`, so nothing is downloaded.
 """
 
+import ast
 import asyncio
 import json
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
 
 from aviary.core import Message
 from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
+from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
 
 from env_servers.envs.source import (
@@ -43,6 +47,69 @@ def parse_answer_number(answer: str) -> float:
         raise ValueError(
             f"gsm8k answer must be a number or end in '#### <number>', got {answer!r}"
         ) from None
+
+
+# Aviary's calculator computes any expression it is given: 9**9**9 is an integer of 1.2 GB whose
+# computation holds the interpreter for minutes, freezing every episode on the server (a step
+# timeout cannot interrupt it). Expressions and every intermediate result are bounded instead.
+MAX_EXPRESSION_CHARS = 2000
+MAX_RESULT_BITS = 10_000  # about 3000 decimal digits, under Python's 4300-digit str() limit
+
+
+def _checked(result: float) -> float:
+    if isinstance(result, int) and result.bit_length() > MAX_RESULT_BITS:
+        raise ValueError(f"a result has more than {MAX_RESULT_BITS} bits; the calculator stops there")
+    return result
+
+
+def _bounded_pow(base: float, exponent: float) -> float:
+    """base ** exponent, refused before computing when the result would exceed MAX_RESULT_BITS:
+    bits(|base| ** exponent) = exponent * log2(|base|)."""
+    whole = isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent > 0
+    if whole and exponent * (abs(base).bit_length() - 1) > MAX_RESULT_BITS:  # a lower bound of the bits
+        raise ValueError(f"{base} ** {exponent} has more than {MAX_RESULT_BITS} bits; the calculator"
+                             " stops there")
+    return _checked(operator.pow(base, exponent))
+
+
+def _bounded_round(number: float, ndigits: int | None = None) -> float:
+    """round(), refused for ndigits so far from 0 that round(5, -10**9) would compute 10**10**9."""
+    if isinstance(ndigits, int) and abs(ndigits) > MAX_RESULT_BITS:
+        raise ValueError(f"round() to {ndigits} digits; the calculator takes at most {MAX_RESULT_BITS}")
+    return round(number, ndigits)
+
+
+def _bounded(function: Callable[..., float]) -> Callable[..., float]:
+    return lambda *args: _checked(function(*args))
+
+
+class BoundedMathEvaluator(SafeMathEvaluator):
+    """Aviary's evaluator with every operation's result bounded (see MAX_RESULT_BITS)."""
+
+    SAFE_OPERATORS: ClassVar[dict[type, Callable[..., float]]] = {
+        **{op: _bounded(function) for op, function in SafeMathEvaluator.SAFE_OPERATORS.items()},
+        ast.Pow: _bounded_pow,
+    }
+    SAFE_FUNCTIONS: ClassVar[dict[str, Callable[..., float]]] = {
+        **{name: _bounded(function) for name, function in SafeMathEvaluator.SAFE_FUNCTIONS.items()},
+        "round": _bounded(_bounded_round),
+    }
+
+
+class BoundedCalculatorEnv(CalculatorEnv):
+    """CalculatorEnv whose calculator refuses expressions too long or too large to compute."""
+
+    def calculator(self, expr: str) -> tuple[float | str, float, bool]:
+        try:
+            if len(expr) > MAX_EXPRESSION_CHARS:
+                raise ValueError(f"the expression has {len(expr)} characters; at most"
+                                 f" {MAX_EXPRESSION_CHARS} are evaluated")
+            BoundedMathEvaluator.evaluate(expr.strip())
+        except Exception as exc:  # noqa: BLE001 -- answered as Aviary answers a failing expression
+            return f"Error using calculator: {exc!r}.", self.config.tool_failure_reward, self.config.done_on_failure
+        return super().calculator(expr)  # bounded now: the same operations on the same values
+
+    calculator.__doc__ = CalculatorEnv.calculator.__doc__  # the tool's description and arguments
 
 
 class GSM8kSource(EnvironmentSource):
@@ -87,11 +154,12 @@ class GSM8kSource(EnvironmentSource):
         return self._datasets[split]
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
-        return (await self._dataset(split)).get_new_env_by_idx(index)
+        env = (await self._dataset(split)).get_new_env_by_idx(index)
+        return BoundedCalculatorEnv(env.problem_id, env.problem, env.answer, env.config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
         require_fields(self.name, task, {"question", "answer"})
-        return CalculatorEnv(
+        return BoundedCalculatorEnv(
             problem_id=None, problem=task["question"], answer=parse_answer_number(task["answer"])
         )
 
