@@ -6,6 +6,7 @@ import asyncio
 import functools
 import importlib
 import logging
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -14,9 +15,11 @@ import yaml
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, PromptTokenizer, register
+from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_config, resolve_path
 from sciproto.pb import POLICY_SERVICE
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("policy_server")
 
@@ -59,15 +62,28 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
     return backend, backend.prompt_token_ids
 
 
-async def serve(config: PolicyServerConfig) -> None:
+async def serve(config: PolicyServerConfig, authenticator: Authenticator | None) -> None:
     backend, tokenize = build_backend(config)
     servicer = PolicyServicer(backend, tokenize, config)
     service = Service(POLICY_SERVICE, servicer, register)
-    running = await start_server(config.server, [service])
-    info = backend.info()
-    log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host, running.port)
-    await serve_until_signalled(running, on_ready=lambda port: announce_port("policy", port))
+    setup_tracing(config.tracing, "sciproto-policy")
+    try:
+        running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
+                                     auth=authenticator)
+        info = backend.info()
+        log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host,
+                 running.port)
+        await serve_until_signalled(running, on_ready=lambda port: announce_port("policy", port))
+    finally:
+        shutdown_tracing()
 
 
 def main(config: str | None, overrides: list[str]) -> None:
-    asyncio.run(serve(load_policy_config(config, overrides)))
+    try:
+        settings = load_policy_config(config, overrides)
+        # Tokens are read before the model loads, so a missing one fails at once.
+        authenticator = settings.auth.load()
+    except ConfigError as error:
+        print(f"sciproto serve policy: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    asyncio.run(serve(settings, authenticator))

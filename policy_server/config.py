@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
+from sciproto.tracing import TracingConfig
 
 
 class TransformersOptions(BaseModel):
@@ -47,5 +49,5 @@ class PolicyServerConfig(BaseModel):
     # Keyword arguments of the vllm / openai backend constructors, passed through as given.
     vllm: dict[str, Any] = Field(default_factory=dict)
     openai: dict[str, Any] = Field(default_factory=dict)
-    # Placeholder for authentication settings (e.g. {"file": "roles.yaml"}); not enforced yet.
-    auth: dict[str, Any] | None = None
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens and roles; off unless set")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Span exporter; off by default")

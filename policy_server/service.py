@@ -6,6 +6,10 @@ longer than the context is refused before any work), then the backend samples fr
 A client that cancels or whose deadline passes cancels the handler, which closes the backend's
 iterator, which drops the request's rows from the running batch.
 
+Tracing: a Generate runs in a `chat {model}` span (token counts, policy version, finish reasons),
+an update in a `sciproto.policy.update_weights` span (version, bytes), each a child of the span the
+request's trace_context names (see `sciproto.tracing.span_for_request`).
+
 UpdateWeights: one update at a time; a second one that arrives while another is being received
 or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry
 hint) rather than queued, so a sender learns immediately that two writers target this server.
@@ -19,11 +23,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from opentelemetry.trace import Span
 
 from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
-from policy_server.types import GenerationRequest, TokenDelta
+from policy_server.types import GenerationRequest, SampleResult, TokenDelta
 from policy_server.weights_stream import (
     DTYPE_TO_PROTO,
     WeightsReceiver,
@@ -37,11 +42,14 @@ from sciproto.errors import (
     Reason,
     Unimplemented,
 )
-from sciproto.pb import POLICY_SERVICE, common_pb2, policy_grpc, policy_pb2
-from sciproto.version import PROTOCOL_VERSION, __version__
+from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
+from sciproto.server import server_info
+from sciproto.tracing import Attr, Operation, span_for_request, span_name
 
 # Turns a chat or token request into the exact prompt ids the model will see.
 PromptTokenizer = Callable[[GenerationRequest], list[int]]
+
+WEIGHTS_BYTES = "sciproto.weights.bytes"  # span attribute: bytes of tensor data an update received
 
 CAPABILITIES = ["generate.chat", "generate.tokens", "generate.multi_turn_token_ids", "generate.n_samples"]
 WEIGHTS_CAPABILITY = "weights.grpc_chunks"
@@ -61,11 +69,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                        context: grpc.aio.ServicerContext) -> policy_pb2.PolicyServiceDescribeResponse:
         info = self._backend.info()
         capabilities = CAPABILITIES + ([WEIGHTS_CAPABILITY] if info.supports_weight_updates else [])
-        server = common_pb2.ServerInfo(
-            protocol_version=PROTOCOL_VERSION, server_version=__version__, implementation="sciproto-policy",
-            capabilities=capabilities + [f"backend.{name}" for name in info.capabilities],
-            limits=self._config.server.message_limits(),
-        )
+        server = server_info(self._config.server, "sciproto-policy",
+                             capabilities + [f"backend.{name}" for name in info.capabilities],
+                             service=POLICY_SERVICE, auth=self._config.auth)
         return policy_pb2.PolicyServiceDescribeResponse(
             server=server, model=info.model, backend=info.backend,
             dtype=DTYPE_TO_PROTO.get(info.dtype, policy_pb2.TENSOR_DTYPE_UNSPECIFIED),
@@ -78,18 +84,29 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
 
     async def Generate(self, request: policy_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[policy_pb2.GenerateResponse]:
-        backend_request = self._backend_request(request)
-        call = object()
-        self._active.add(call)
-        try:
-            yield convert.prompt_event(backend_request.prompt_token_ids, self._backend.info().policy_version)
-            async with contextlib.aclosing(self._backend.generate(backend_request)) as events:
-                async for event in events:
-                    yield convert.delta_event(event) if isinstance(event, TokenDelta) else convert.sample_event(event)
-        except ValueError as error:  # the backend refused the request before sampling
-            raise InvalidArgument(f"{error}", Reason.INVALID_REQUEST) from error
-        finally:
-            self._active.discard(call)
+        model = self._backend.info().model
+        with span_for_request(span_name(Operation.CHAT, model), context, request.trace_context,
+                              **{Attr.GEN_AI_OPERATION_NAME: Operation.CHAT, Attr.GEN_AI_REQUEST_MODEL: model}) as span:
+            backend_request = self._backend_request(request)
+            version = self._backend.info().policy_version
+            _record_request(span, backend_request, version)
+            samples: list[SampleResult] = []
+            call = object()
+            self._active.add(call)
+            try:
+                yield convert.prompt_event(backend_request.prompt_token_ids, version)
+                async with contextlib.aclosing(self._backend.generate(backend_request)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenDelta):
+                            yield convert.delta_event(event)
+                        else:
+                            samples.append(event)
+                            yield convert.sample_event(event)
+            except ValueError as error:  # the backend refused the request before sampling
+                raise InvalidArgument(f"{error}", Reason.INVALID_REQUEST) from error
+            finally:
+                self._active.discard(call)
+                _record_samples(span, samples)
 
     def _backend_request(self, request: policy_pb2.GenerateRequest) -> GenerationRequest:
         """The request as prompt token ids, or InvalidArgument saying what to fix."""
@@ -121,33 +138,42 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
                                      "finished, and send updates to a server from one place only",
                                      Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
+        header = first.header
         async with self._update_lock:
-            header = first.header
-            specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
-            receiver = WeightsReceiver(specs)
-            while (message := await self._next_message(request_iterator)) is not None:
-                if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
-                    receiver.write(message)
-                    continue
-                if message.WhichOneof("chunk") != "data":
-                    raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
-                                          "must be data chunks", Reason.INVALID_REQUEST)
-                receiver.write(message.data)
-            tensors = receiver.finish()
-            running_before = set(self._active)
-            start = time.perf_counter()
-            try:
-                await self._backend.update_weights(header.policy_version, tensors)
-            except ValueError as error:
-                raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
-            apply_seconds = time.perf_counter() - start
-            return policy_pb2.UpdateWeightsResponse(
-                policy_version=self._backend.info().policy_version,
-                bytes_received=receiver.received,
-                apply_seconds=apply_seconds,
-                # calls that were running before the swap and still are after it
-                requests_spanning_versions=len(running_before & self._active),
-            )
+            with span_for_request(span_name(Operation.UPDATE_WEIGHTS), context, header.trace_context,
+                                  **{Attr.POLICY_VERSION: header.policy_version}) as span:
+                return await self._apply_update(header, request_iterator, span)
+
+    async def _apply_update(self, header: policy_pb2.WeightsHeader,
+                            request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
+                            span: Span) -> policy_pb2.UpdateWeightsResponse:
+        """Receive the data chunks of an update whose header came first, and apply it."""
+        specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
+        receiver = WeightsReceiver(specs)
+        while (message := await self._next_message(request_iterator)) is not None:
+            if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
+                receiver.write(message)
+                continue
+            if message.WhichOneof("chunk") != "data":
+                raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
+                                      "must be data chunks", Reason.INVALID_REQUEST)
+            receiver.write(message.data)
+        tensors = receiver.finish()
+        running_before = set(self._active)
+        start = time.perf_counter()
+        try:
+            await self._backend.update_weights(header.policy_version, tensors)
+        except ValueError as error:
+            raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
+        apply_seconds = time.perf_counter() - start
+        span.set_attribute(WEIGHTS_BYTES, receiver.received)
+        return policy_pb2.UpdateWeightsResponse(
+            policy_version=self._backend.info().policy_version,
+            bytes_received=receiver.received,
+            apply_seconds=apply_seconds,
+            # calls that were running before the swap and still are after it
+            requests_spanning_versions=len(running_before & self._active),
+        )
 
     async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
                             ) -> policy_pb2.UpdateWeightsRequest | memoryview | None:
@@ -161,6 +187,26 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
     async def aclose(self) -> None:
         await self._backend.close()
 
+
+
+def _record_request(span: Span, request: GenerationRequest, policy_version: int) -> None:
+    if span.is_recording():
+        sampling = request.sampling
+        span.set_attributes({
+            Attr.GEN_AI_REQUEST_MAX_TOKENS: sampling.max_tokens, Attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+            Attr.GEN_AI_REQUEST_TOP_P: sampling.top_p, Attr.GEN_AI_REQUEST_CHOICE_COUNT: sampling.n,
+            Attr.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids), Attr.POLICY_VERSION: policy_version,
+        })
+
+
+def _record_samples(span: Span, samples: list[SampleResult]) -> None:
+    """Output tokens = the completion tokens of every sample; finish reasons in sample order."""
+    if span.is_recording():
+        ordered = sorted(samples, key=lambda sample: sample.sample_index)
+        span.set_attributes({
+            Attr.GEN_AI_USAGE_OUTPUT_TOKENS: sum(len(sample.completion_token_ids) for sample in ordered),
+            Attr.GEN_AI_RESPONSE_FINISH_REASONS: [sample.finish_reason.value for sample in ordered],
+        })
 
 
 def register(servicer: PolicyServicer, server: grpc.aio.Server) -> None:
