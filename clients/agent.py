@@ -404,8 +404,10 @@ class Episode:
                 with contextlib.suppress(SciprotoError):
                     orphan = await call_with_deadline(lambda t: reset(replica.client, t),
                                                       self.settings.deadlines.close_s, "Reset replay")
-                    await call_with_deadline(lambda t: replica.client.close(orphan.episode_id, timeout=t),
-                                             self.settings.deadlines.close_s, "Close")
+                    close_id = f"{self.attempt_id}/close"
+                    await call_with_deadline(
+                        lambda t: replica.client.close(orphan.episode_id, request_id=close_id, timeout=t),
+                        self.settings.deadlines.close_s, "Close")
                 raise
         self.episode_id = response.episode_id
         self.transcript = list(response.observations)
@@ -432,7 +434,8 @@ class Episode:
         with start_span(span_name(Operation.ENV_VERIFY, self.task.env),
                         **{Attr.ENV_NAME: self.task.env, Attr.EPISODE_ID: self.episode_id}) as span:
             response: env_pb2.VerifyResponse = await self._env_call(
-                "Verify", lambda client, timeout: client.verify(self.episode_id, timeout=timeout),
+                "Verify", lambda client, timeout: client.verify(self.episode_id, request_id=f"{self.attempt_id}/verify",
+                                                                timeout=timeout),
                 self.settings.deadlines.verify_s)
             span.set_attribute(Attr.REWARD_VALUE, response.reward.value)
         self.reward = response.reward
@@ -449,8 +452,10 @@ class Episode:
         try:
             if self.episode_id and replica.healthy:
                 with start_span(span_name(Operation.ENV_CLOSE, self.task.env), **{Attr.EPISODE_ID: self.episode_id}):
-                    await call_with_deadline(lambda timeout: replica.client.close(self.episode_id, timeout=timeout),
-                                             self.settings.deadlines.close_s, "Close")
+                    await call_with_deadline(
+                        lambda timeout: replica.client.close(self.episode_id, request_id=f"{self.attempt_id}/close",
+                                                             timeout=timeout),
+                        self.settings.deadlines.close_s, "Close")
         except SciprotoError as error:
             log.debug("closing %s on %s failed: %s", self.episode_id, replica.target, error)
         finally:

@@ -7,8 +7,10 @@
             a, b = await asyncio.gather(session.reset("toy", split="train", index=0),
                                         session.reset("toy", split="train", index=1))
 
-Every call carries a fresh request_id, so gRPC's own retries (on UNAVAILABLE) never apply an
-operation twice. Failures are raised as `sciproto.errors.SciprotoError` subclasses, whose
+Every call carries a request_id (fresh unless the caller passes one to retry an operation), so
+gRPC's own retries (on UNAVAILABLE) never apply an operation twice, and the current span in its
+trace_context, so the server's spans join the caller's trace even when many episodes share one
+Session stream. Failures are raised as `sciproto.errors.SciprotoError` subclasses, whose
 `reason` says what happened, on unary calls and on the stream alike.
 """
 
@@ -33,6 +35,7 @@ from sciproto.errors import (
     from_status,
 )
 from sciproto.pb import common_pb2, env_grpc, env_pb2
+from sciproto.tracing import current_trace_context
 
 # How long leaving a session waits for the server to answer what is still in flight.
 SESSION_DRAIN_TIMEOUT_S = 10.0
@@ -56,7 +59,8 @@ def reset_request(env: str, *, split: str | None = None, index: int | None = Non
     """A ResetRequest for a dataset task (split and index) or an inline task (its fields)."""
     if (inline is None) == (split is None or index is None):
         raise ValueError("reset takes either split= and index= (a dataset task) or inline= (task fields)")
-    request = env_pb2.ResetRequest(request_id=request_id or new_request_id(), env=env, seed=seed)
+    request = env_pb2.ResetRequest(request_id=request_id or new_request_id(), env=env, seed=seed,
+                                   trace_context=current_trace_context())
     if inline is not None:
         request.inline_task.fields.update(inline)
     else:
@@ -68,9 +72,23 @@ def verify_request(episode_id: str | None = None, *, trajectory: env_pb2.StoredT
                    request_id: str | None = None) -> env_pb2.VerifyRequest:
     if (episode_id is None) == (trajectory is None):
         raise ValueError("verify takes either an episode_id or a trajectory")
+    request = env_pb2.VerifyRequest(request_id=request_id or new_request_id(), trace_context=current_trace_context())
     if trajectory is not None:
-        return env_pb2.VerifyRequest(request_id=request_id or new_request_id(), trajectory=trajectory)
-    return env_pb2.VerifyRequest(request_id=request_id or new_request_id(), episode_id=episode_id)
+        request.trajectory.CopyFrom(trajectory)
+    else:
+        request.episode_id = episode_id
+    return request
+
+
+def step_request(episode_id: str, action: common_pb2.ChatMessage,
+                 request_id: str | None = None) -> env_pb2.StepRequest:
+    return env_pb2.StepRequest(request_id=request_id or new_request_id(), episode_id=episode_id, action=action,
+                               trace_context=current_trace_context())
+
+
+def close_request(episode_id: str, request_id: str | None = None) -> env_pb2.CloseRequest:
+    return env_pb2.CloseRequest(request_id=request_id or new_request_id(), episode_id=episode_id,
+                                trace_context=current_trace_context())
 
 
 class EnvClient:
@@ -101,7 +119,8 @@ class EnvClient:
             raise from_rpc_error(error) from None
 
     async def describe(self, timeout: float | None = None) -> env_pb2.EnvironmentServiceDescribeResponse:
-        request = env_pb2.EnvironmentServiceDescribeRequest(request_id=new_request_id())
+        request = env_pb2.EnvironmentServiceDescribeRequest(request_id=new_request_id(),
+                                                            trace_context=current_trace_context())
         return await self._call(self._stub.Describe, request, timeout)
 
     async def reset(self, env: str, *, split: str | None = None, index: int | None = None,
@@ -113,17 +132,16 @@ class EnvClient:
     async def step(self, episode_id: str, action: common_pb2.ChatMessage, *, request_id: str | None = None,
                    timeout: float | None = None) -> env_pb2.StepResponse:
         """Pass the same request_id to retry a step safely: the server answers with the first result."""
-        request = env_pb2.StepRequest(request_id=request_id or new_request_id(), episode_id=episode_id,
-                                      action=action)
-        return await self._call(self._stub.Step, request, timeout)
+        return await self._call(self._stub.Step, step_request(episode_id, action, request_id), timeout)
 
     async def verify(self, episode_id: str | None = None, *, trajectory: env_pb2.StoredTrajectory | None = None,
-                     timeout: float | None = None) -> env_pb2.VerifyResponse:
-        return await self._call(self._stub.Verify, verify_request(episode_id, trajectory=trajectory), timeout)
+                     request_id: str | None = None, timeout: float | None = None) -> env_pb2.VerifyResponse:
+        request = verify_request(episode_id, trajectory=trajectory, request_id=request_id)
+        return await self._call(self._stub.Verify, request, timeout)
 
-    async def close(self, episode_id: str, timeout: float | None = None) -> env_pb2.CloseResponse:
-        request = env_pb2.CloseRequest(request_id=new_request_id(), episode_id=episode_id)
-        return await self._call(self._stub.Close, request, timeout)
+    async def close(self, episode_id: str, *, request_id: str | None = None,
+                    timeout: float | None = None) -> env_pb2.CloseResponse:
+        return await self._call(self._stub.Close, close_request(episode_id, request_id), timeout)
 
     @contextlib.asynccontextmanager
     async def session(self, operation_timeout_s: float = 300.0) -> AsyncIterator[EnvSession]:
@@ -158,17 +176,17 @@ class EnvSession:
 
     async def step(self, episode_id: str, action: common_pb2.ChatMessage, *, request_id: str | None = None,
                    timeout: float | None = None) -> env_pb2.StepResponse:
-        request = env_pb2.StepRequest(request_id=request_id or new_request_id(), episode_id=episode_id,
-                                      action=action)
+        request = step_request(episode_id, action, request_id)
         return (await self._run(env_pb2.SessionRequest(step=request), request.request_id, timeout)).step
 
     async def verify(self, episode_id: str | None = None, *, trajectory: env_pb2.StoredTrajectory | None = None,
-                     timeout: float | None = None) -> env_pb2.VerifyResponse:
-        request = verify_request(episode_id, trajectory=trajectory)
+                     request_id: str | None = None, timeout: float | None = None) -> env_pb2.VerifyResponse:
+        request = verify_request(episode_id, trajectory=trajectory, request_id=request_id)
         return (await self._run(env_pb2.SessionRequest(verify=request), request.request_id, timeout)).verify
 
-    async def close(self, episode_id: str, timeout: float | None = None) -> env_pb2.CloseResponse:
-        request = env_pb2.CloseRequest(request_id=new_request_id(), episode_id=episode_id)
+    async def close(self, episode_id: str, *, request_id: str | None = None,
+                    timeout: float | None = None) -> env_pb2.CloseResponse:
+        request = close_request(episode_id, request_id)
         return (await self._run(env_pb2.SessionRequest(close=request), request.request_id, timeout)).close
 
     async def _run(self, request: env_pb2.SessionRequest, request_id: str,
@@ -233,4 +251,5 @@ class EnvSession:
                 await self._reader
 
 
-__all__ = ["EnvClient", "EnvSession", "new_request_id", "reset_request", "tool_calls_action", "verify_request"]
+__all__ = ["EnvClient", "EnvSession", "close_request", "new_request_id", "reset_request", "step_request",
+           "tool_calls_action", "verify_request"]

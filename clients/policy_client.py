@@ -5,6 +5,8 @@
         await policy.push_weights(model.state_dict(), version=1)
 
 Failures surface as `sciproto.errors.SciprotoError` subclasses carrying the server's reason.
+Requests carry the current span in their trace_context. Only pushing weights needs torch, which
+is imported then: a rollout client that only samples never loads it.
 """
 
 from __future__ import annotations
@@ -12,21 +14,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 import grpc
-import torch
 
-from policy_server.weights_stream import (
-    MiB,
-    chunk_parts,
-    data_message_wire,
-    header_for,
-    serialize_request,
-)
 from sciproto.channel import ChannelConfig, make_channel
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
+from sciproto.tracing import current_trace_context
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1024 * 1024
+UPDATE_WEIGHTS = "/sciproto.v1.PolicyService/UpdateWeights"
 
 
 def generate_request(
@@ -49,7 +50,8 @@ def generate_request(
         raise ValueError("give either messages or prompt_token_ids, not both and not neither")
     sampling = policy_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                          stop=list(stop), seed=seed)
-    request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n)
+    request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n,
+                                         trace_context=current_trace_context())
     if messages:
         request.chat.CopyFrom(policy_pb2.ChatPrompt(messages=messages, tools=tools,
                                                     previous_token_ids=previous_token_ids))
@@ -75,10 +77,7 @@ class PolicyClient:
         self._owns_channel = not isinstance(channel_or_config, grpc.aio.Channel)
         self.channel = make_channel(channel_or_config) if self._owns_channel else channel_or_config
         self._stub = policy_grpc.PolicyServiceStub(self.channel)
-        # UpdateWeights with data chunks written straight to the wire (see data_message_wire)
-        self._update_weights = self.channel.stream_unary(
-            "/sciproto.v1.PolicyService/UpdateWeights", request_serializer=serialize_request,
-            response_deserializer=policy_pb2.UpdateWeightsResponse.FromString)
+        self._update_weights: Any = None  # made by the first push_weights (it needs torch)
 
     async def __aenter__(self) -> Self:
         return self
@@ -92,14 +91,18 @@ class PolicyClient:
 
     async def describe(self, timeout_s: float | None = None) -> policy_pb2.PolicyServiceDescribeResponse:
         try:
-            return await self._stub.Describe(policy_pb2.PolicyServiceDescribeRequest(), timeout=timeout_s)
+            request = policy_pb2.PolicyServiceDescribeRequest(trace_context=current_trace_context())
+            return await self._stub.Describe(request, timeout=timeout_s)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
 
     async def generate(self, request: policy_pb2.GenerateRequest,
                        timeout_s: float | None = None) -> AsyncIterator[policy_pb2.GenerateResponse]:
         """The stream's events: the prompt, deltas, one sample per n. Leaving the loop early
-        cancels the call, and the server stops sampling for it."""
+        cancels the call, and the server stops sampling for it. A request without a
+        trace_context gets the current span's."""
+        if not request.HasField("trace_context"):
+            request.trace_context.CopyFrom(current_trace_context())
         call = self._stub.Generate(request, timeout=timeout_s)
         try:
             async for event in call:
@@ -133,8 +136,21 @@ class PolicyClient:
         policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
         copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
         `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it."""
+        from policy_server.weights_stream import (
+            chunk_parts,
+            data_message_wire,
+            header_for,
+            serialize_request,
+        )
+
+        if self._update_weights is None:
+            # UpdateWeights with data chunks written straight to the wire (see data_message_wire)
+            self._update_weights = self.channel.stream_unary(
+                UPDATE_WEIGHTS, request_serializer=serialize_request,
+                response_deserializer=policy_pb2.UpdateWeightsResponse.FromString)
         state_dict = distinct_tensors(state_dict)
         header = header_for(state_dict, version, request_id)
+        header.trace_context.CopyFrom(current_trace_context())
 
         async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest | bytes]:
             yield policy_pb2.UpdateWeightsRequest(header=header)
