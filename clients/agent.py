@@ -52,6 +52,7 @@ from clients.rollouts import (
     status_from_pb,
 )
 from sciproto import pb
+from sciproto.channel import ChannelConfig
 from sciproto.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -85,12 +86,12 @@ _TASK_REASONS = {Reason.UNKNOWN_ENVIRONMENT, Reason.UNKNOWN_SPLIT, Reason.TASK_O
 _FATAL = (Unauthenticated, PermissionDenied)
 
 
-def env_pool(targets: Sequence[str], **options: object) -> EnvPool:
+def env_pool(targets: Sequence[str | ChannelConfig], **options: object) -> EnvPool:
     """A pool of env server replicas; options as for ReplicaPool."""
     return ReplicaPool(targets, EnvClient, pb.ENV_SERVICE, **options)  # type: ignore[arg-type]
 
 
-def policy_pool(targets: Sequence[str], **options: object) -> PolicyPool:
+def policy_pool(targets: Sequence[str | ChannelConfig], **options: object) -> PolicyPool:
     """A pool of policy server replicas; options as for ReplicaPool."""
     return ReplicaPool(targets, PolicyClient, pb.POLICY_SERVICE, **options)  # type: ignore[arg-type]
 

@@ -9,6 +9,10 @@
 flat however many tasks are queued; at most `concurrency // samples` groups (at least one) run
 at once. Groups come out in the order they finish.
 
+Servers that require a bearer token (`sciproto serve ... --auth FILE`) are reached with the token
+named in `env_access` / `policy_access` (a file or an environment variable, never the token
+itself), e.g. `--set policy_access.token_env=POLICY_TOKEN`.
+
 `sciproto collect` writes one line per rollout (format: `clients.rollouts`) to the output file,
 appended and flushed as each group finishes; INFRA_ERROR rollouts go to
 `<stem>.failures.jsonl` (rewritten every run, so a rerun tries those tasks again); a rerun skips
@@ -25,7 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Se
 from pathlib import Path
 from typing import IO
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -49,6 +53,7 @@ from clients.rollouts import (
     read_rollouts,
 )
 from clients.summary import CollectSummary, summarize
+from sciproto.channel import ChannelConfig, TlsClientConfig
 from sciproto.config import load_config
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
@@ -63,6 +68,25 @@ class ReplicaSettings(BaseModel):
     wait_for_healthy_s: float = Field(30.0, gt=0, description="How long a call waits for some replica to be healthy")
 
 
+class ServerAccess(BaseModel):
+    """How the client reaches every replica of one kind of server: bearer token and TLS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_file: Path | None = Field(None, description="File holding the bearer token")
+    token_env: str | None = Field(None, description="Environment variable holding the bearer token")
+    tls: TlsClientConfig | None = Field(None, description="None: plaintext (loopback and trusted networks only)")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerAccess:
+        if self.token_file is not None and self.token_env is not None:
+            raise ValueError("give token_file or token_env, not both")
+        return self
+
+    def channel(self, target: str) -> ChannelConfig:
+        return ChannelConfig(target=target, token_file=self.token_file, token_env=self.token_env, tls=self.tls)
+
+
 class CollectConfig(BaseModel):
     """Settings of `sciproto collect` (addresses, tasks and counts come from the command line)."""
 
@@ -75,6 +99,8 @@ class CollectConfig(BaseModel):
     deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    env_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the env servers")
+    policy_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the policy servers")
     success_reward: float = Field(1.0, description="A rollout passes (for pass@k) when its reward is at least this")
     progress: bool = Field(True, description="Show a progress bar")
 
@@ -227,8 +253,10 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
     interceptors = client_interceptors(config.tracing)
     options = config.replicas.model_dump()
     started = time.monotonic()
-    async with env_pool(env_targets, interceptors=interceptors, **options) as env, \
-            policy_pool(policy_targets, interceptors=interceptors, **options) as policy:
+    env_channels = [config.env_access.channel(target) for target in env_targets]
+    policy_channels = [config.policy_access.channel(target) for target in policy_targets]
+    async with env_pool(env_channels, interceptors=interceptors, **options) as env, \
+            policy_pool(policy_channels, interceptors=interceptors, **options) as policy:
         size = await split_size(env, env_name, split, config.deadlines.describe_s)
         count = size if limit is None else min(limit, size)
         writer = RolloutWriter(output, failures_path)
@@ -290,4 +318,4 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "ServerAccess", "collect", "main", "run_collection", "tasks_of"]
