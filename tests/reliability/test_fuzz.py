@@ -186,7 +186,7 @@ def remember(response: Any) -> None:
         OPENED.add(response.episode_id)
 
 
-@settings(BASE, max_examples=1000)
+@settings(BASE, max_examples=800)
 @given(request=ENV_REQUESTS)
 def test_env_unary_calls(env_stub: env_grpc.EnvironmentServiceStub, tally: Tally, request: Message) -> None:
     code, answer = status_of(lambda: env_method(env_stub, request)(request, timeout=CALL_TIMEOUT_S))
@@ -387,7 +387,7 @@ def wire_call(channels: dict[str, grpc.Channel], method: str, wire: bytes) -> tu
     return status_of(lambda: list(channel.stream_stream(method, **raw)(iter([wire]), timeout=CALL_TIMEOUT_S)))
 
 
-@settings(BASE, max_examples=400)
+@settings(BASE, max_examples=300)
 @given(method_and_wire=st.sampled_from(sorted({**UNARY_METHODS, **STREAMING_METHODS})).flatmap(
     lambda method: st.tuples(st.just(method), mutations([{**UNARY_METHODS, **STREAMING_METHODS}[method]
                                                           .SerializeToString()]))))
