@@ -4,6 +4,7 @@ batch, so requests can leave and join between decode steps."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class DecodeBatch:
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
-            **{_cache_argument(model): cache},
+            **{_cache_argument(type(model)): cache},
         )
         positions = attention_mask.sum(-1)
         return cls(cache, attention_mask, positions), output.logits[:, -1, :]
@@ -59,7 +60,7 @@ class DecodeBatch:
             attention_mask=self.attention_mask,
             position_ids=self.positions.unsqueeze(1),
             use_cache=True,
-            **{_cache_argument(model): self.cache},
+            **{_cache_argument(type(model)): self.cache},
         )
         self.positions = self.positions + 1
         return output.logits[:, -1, :]
@@ -91,9 +92,11 @@ class DecodeBatch:
         self.positions = torch.cat([self.positions, other.positions])
 
 
-def _cache_argument(model: PreTrainedModel) -> str:
-    """transformers renamed `past_key_values` to `cache`; use whichever this model takes."""
-    parameters = inspect.signature(model.forward).parameters
+@functools.cache
+def _cache_argument(model_class: type[PreTrainedModel]) -> str:
+    """transformers renamed `past_key_values` to `cache`; use whichever this model class takes
+    (looked up once per class: reading a signature costs more than a small model's decode step)."""
+    parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 

@@ -1,8 +1,9 @@
 """The `transformers` backend: dynamic batching over one model, for CPU and small GPUs.
 
 One engine thread owns the model. Concurrent `generate` calls land in an inbox; when the engine is
-idle it waits `batch_window_s` for more to arrive, prefills them together and decodes all their
-samples in one batched loop over a shared KV cache. Calls that arrive while a batch is decoding
+idle it keeps collecting arrivals until none has come for `batch_window_s` (at most
+`BATCH_WINDOW_LIMIT` windows in all, so a steady trickle cannot hold the first back), prefills them
+together and decodes all their samples in one batched loop over a shared KV cache. Calls that arrive while a batch is decoding
 are prefilled and merged into it between two decode steps. Weight updates are applied between
 decode steps too, so every token is sampled from exactly one policy version.
 """
@@ -74,6 +75,7 @@ class _Row:
     sample_index: int
     rng: random.Random
     version_marks: list[tuple[int, int]]  # (token index, version from that token on)
+    sampled: bool = field(init=False)  # temperature > 0: draws from `rng` each step
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # incremental detokenization: text == decode(tokens[:read_offset]) over whole characters
@@ -84,6 +86,9 @@ class _Row:
     sent_tokens: int = 0
     sent_chars: int = 0
 
+    def __post_init__(self) -> None:
+        self.sampled = self.job.sampling.temperature > 0
+
 
 @dataclass
 class _WeightUpdate:
@@ -93,6 +98,12 @@ class _WeightUpdate:
 
 
 _CLOSE = object()
+
+# An idle engine waits for a burst of calls to end, but not longer than this many batch windows.
+# Calls sent together reach the engine spread over several milliseconds (each passes the gRPC
+# layer and the tokenizer first); one that misses the first prefill joins a step later and its
+# rows finish last, so a fixed window after the first arrival would stretch the whole burst.
+BATCH_WINDOW_LIMIT = 10
 
 
 class TransformersBackend:
@@ -131,6 +142,8 @@ class TransformersBackend:
         self._waiting: list[_Job] = []  # taken from the inbox, not yet prefilled
         self._prefilling: list[_Job] = []  # admitted this step, rows not yet created
         self._rows: list[_Row] = []
+        self._sampling_rows: list[_Row] | None = None  # the rows `_sampling` was built for
+        self._sampling: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
         self._batch: DecodeBatch | None = None
         self._next_tokens: torch.Tensor | None = None
         self._engine_lock = threading.Lock()  # held while the model runs or weights change
@@ -234,7 +247,8 @@ class TransformersBackend:
 
     def _take_commands(self) -> list:
         """Everything in the inbox. When idle, block for the first command (polling so a closed
-        backend is noticed), then keep collecting for the batch window."""
+        backend is noticed), then keep collecting until the inbox stays empty for a batch window
+        or BATCH_WINDOW_LIMIT windows have passed."""
         commands = []
         if not self._rows and not self._waiting:
             while not commands:
@@ -243,10 +257,10 @@ class TransformersBackend:
                 except queue.Empty:
                     if self._closed:
                         return [_CLOSE]
-            deadline = time.monotonic() + self._batch_window_s
-            while (remaining := deadline - time.monotonic()) > 0:
+            limit = time.monotonic() + BATCH_WINDOW_LIMIT * self._batch_window_s
+            while (remaining := limit - time.monotonic()) > 0:
                 try:
-                    commands.append(self._inbox.get(timeout=remaining))
+                    commands.append(self._inbox.get(timeout=min(remaining, self._batch_window_s)))
                 except queue.Empty:
                     break
         while True:
@@ -291,18 +305,27 @@ class TransformersBackend:
                     self._batch = new_batch
                 else:
                     self._batch.merge(new_batch)
-                for job in joining:
-                    self._rows.extend(self._new_rows(job))
+                self._rows = self._rows + [row for job in joining for row in self._new_rows(job)]
                 self._prefilling = []
-            rows = self._rows
-            temperature = torch.tensor([row.job.sampling.temperature for row in rows])
-            top_p = torch.tensor([row.job.sampling.top_p for row in rows])
-            uniforms = torch.tensor([row.rng.random() for row in rows], dtype=torch.float64)
-            device = logits[0].device
-            tokens, logprobs = sample_next_tokens(
-                torch.cat(logits), temperature.to(device), top_p.to(device), uniforms.to(device)
+            all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+            temperature, top_p = self._sampling_tensors(all_logits.device)
+            # one draw per sampled row from its own stream; greedy rows never use theirs
+            uniforms = torch.tensor(
+                [row.rng.random() if row.sampled else 0.0 for row in self._rows],
+                dtype=torch.float64,
             )
+            tokens, logprobs = sample_next_tokens(all_logits, temperature, top_p, uniforms)
         self._consume(tokens, logprobs.tolist(), tokens.tolist())
+
+    def _sampling_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row temperature and top_p, rebuilt only when the rows changed (every change
+        assigns a new `self._rows` list)."""
+        if self._sampling_rows is not self._rows:
+            temperature = torch.tensor([row.job.sampling.temperature for row in self._rows])
+            top_p = torch.tensor([row.job.sampling.top_p for row in self._rows])
+            self._sampling = (temperature.to(device), top_p.to(device))
+            self._sampling_rows = self._rows
+        return self._sampling
 
     def _admit_waiting_jobs(self) -> list[_Job]:
         """Waiting jobs whose samples fit in the batch, in arrival order."""
@@ -419,6 +442,8 @@ class TransformersBackend:
         )
 
     def _drop_cancelled_rows(self) -> None:
+        if not any(row.job.cancelled for row in self._rows):
+            return
         keep = [index for index, row in enumerate(self._rows) if not row.job.cancelled]
         if len(keep) == len(self._rows):
             return

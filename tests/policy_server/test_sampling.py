@@ -41,3 +41,13 @@ def test_zero_temperature_is_greedy_next_to_sampled_rows():
     assert tokens[1] == 1 and torch.isclose(
         logprobs[1], torch.tensor(0.0), atol=1e-6
     )  # top-p keeps only token 1
+
+
+def test_all_greedy_rows_take_the_argmax_with_raw_logprobs():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
+    tokens, logprobs = sample_next_tokens(
+        logits, torch.zeros(5), torch.full((5,), 0.5), torch.full((5,), 0.99, dtype=torch.float64)
+    )
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert torch.allclose(logprobs, raw.gather(1, tokens.unsqueeze(1)).squeeze(1))
