@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,6 +18,11 @@ import typer
 from sciproto.version import PROTOCOL_VERSION, __version__
 
 DEFAULT_PORTS = {"env": 50051, "policy": 50052, "learner": 50053}
+
+# OpenMP worker threads spin while they wait by default; with several sciproto
+# processes sharing a few cores (a local training run) that spinning slows the
+# model steps by orders of magnitude. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(help="sciproto: gRPC environments, policy and learner for RL on LLM agents.",
                   no_args_is_help=True, add_completion=False)
