@@ -90,6 +90,12 @@ class Budget(BaseModel):
     max_seconds: float | None = Field(
         None, gt=0, description="Stop after this many seconds of training"
     )
+    # Once a policy scores near the maximum, most groups carry no signal (all rewards equal) and
+    # each further step waits long for data: a run that reached its goal may as well stop.
+    target_reward: float | None = Field(
+        None, description="Stop once the mean reward of the last `target_window` steps reaches this"
+    )
+    target_window: int = Field(3, ge=1, description="Steps averaged for target_reward")
 
     @model_validator(mode="after")
     def _some_limit(self) -> Budget:
@@ -282,6 +288,20 @@ class TrainOutcome(BaseModel):
         return sum(s.reward_mean for s in chosen) / len(chosen) if chosen else math.nan
 
 
+def budget_spent(budget: Budget, steps: Sequence[StepRecord]) -> str:
+    """Which step limit of the budget the run has reached ("" while none)."""
+    if budget.max_steps is not None and steps and steps[-1].step >= budget.max_steps:
+        return "max_steps"
+    recent = steps[-budget.target_window :]
+    if (
+        budget.target_reward is not None
+        and len(recent) == budget.target_window
+        and sum(s.reward_mean for s in recent) / len(recent) >= budget.target_reward
+    ):
+        return "target_reward"
+    return ""
+
+
 class _Flow:
     """Counts that gate the rollout client: groups started vs consumed by the learner, and time
     spent with nothing generating."""
@@ -415,11 +435,8 @@ async def run_rollouts_into_learner(
                     )
                     outcome.steps.append(record)
                     on_step(record, outcome)
-                    if (
-                        config.budget.max_steps is not None
-                        and result.step >= config.budget.max_steps
-                    ):
-                        outcome.stopped_by = "max_steps"
+                    if reason := budget_spent(config.budget, outcome.steps):
+                        outcome.stopped_by = outcome.stopped_by or reason
                         stop.set()
                 else:
                     log.warning("learner reported: %s", event.error.message)

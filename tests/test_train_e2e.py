@@ -12,7 +12,7 @@ import pytest
 
 from clients.rollouts import read_rollouts
 
-STEPS = 16
+MIN_STEPS = 6  # enough for two separate windows
 WINDOW = 3  # steps averaged at each end of the run
 
 
@@ -33,8 +33,6 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
         "--set",
         "progress=false",
         "--set",
-        f"budget.max_steps={STEPS}",
-        "--set",
         "budget.max_seconds=480",
     ]
     finished = subprocess.run(
@@ -49,9 +47,13 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
     run_dir = tmp_path / "e2e"
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "target_reward", summary["stopped_by"]
+    trained = [s["step"] for s in summary["steps"]]
+    assert len(trained) >= MIN_STEPS
     # A step already under way when the budget ran out may finish and be logged too.
-    assert [s["step"] for s in steps][:STEPS] == list(range(1, STEPS + 1))
-    steps = steps[:STEPS]
+    assert [s["step"] for s in steps][: len(trained)] == trained == list(range(1, len(trained) + 1))
+    steps = steps[: len(trained)]
     first = sum(s["reward_mean"] for s in steps[:WINDOW]) / WINDOW
     last = sum(s["reward_mean"] for s in steps[-WINDOW:]) / WINDOW
     assert first < 0.2, f"a random model should start low, got {first:.3f}"
@@ -60,12 +62,10 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
 
     assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checkpoint = max((run_dir / "checkpoints").glob("step_*"))
-    assert int(checkpoint.name.removeprefix("step_")) >= STEPS
+    assert int(checkpoint.name.removeprefix("step_")) >= len(trained)
     assert (checkpoint / "model.safetensors").is_file() and (
         checkpoint / "learner_state.json"
     ).is_file()
     rollouts = list(read_rollouts(run_dir / "rollouts.jsonl"))
-    assert len(rollouts) >= STEPS * 16 * 8 // 2
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped_by"] == "max_steps"
+    assert len(rollouts) >= len(trained) * 16 * 8
     assert len({r.rollout_id for r in rollouts}) == len(rollouts), "every rollout line is unique"
