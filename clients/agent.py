@@ -141,6 +141,26 @@ class Completion:
     sample: policy_pb2.GenerateSample
 
 
+async def finish_despite_cancellation(operation: Awaitable[T]) -> T:
+    """Run `operation` to its end even if the caller is cancelled meanwhile, then pass the
+    cancellation on. For the clean-up of an episode being cancelled (Close): a second
+    cancellation (a task group aborting its other tasks after one failed) would otherwise drop
+    the Close mid-flight and leave the episode open on the server until its idle TTL. Bounded:
+    `operation` carries its own deadline."""
+    task = asyncio.ensure_future(operation)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # unlike awaiting the task, a cancelled wait leaves it running
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # its outcome no longer matters; mark it seen
+        raise asyncio.CancelledError
+    return task.result()
+
+
 async def generate(policy: PolicyPool, settings: AgentSettings, messages: Sequence[common_pb2.ChatMessage],
                    tools: Sequence[common_pb2.ToolSpec], *, previous_token_ids: Sequence[int] = (),
                    n: int = 1, max_tokens: int) -> GenerationGroup:
@@ -402,13 +422,16 @@ class Episode:
             except asyncio.CancelledError:
                 # The server may have opened the episode without us learning its id. A Reset
                 # replayed with the same request_id names that episode (or opens one), so close it.
-                with contextlib.suppress(SciprotoError):
-                    orphan = await call_with_deadline(lambda t: reset(replica.client, t),
-                                                      self.settings.deadlines.close_s, "Reset replay")
-                    close_id = f"{self.attempt_id}/close"
-                    await call_with_deadline(
-                        lambda t: replica.client.close(orphan.episode_id, request_id=close_id, timeout=t),
-                        self.settings.deadlines.close_s, "Close")
+                async def close_orphan() -> None:
+                    with contextlib.suppress(SciprotoError):
+                        orphan = await call_with_deadline(lambda t: reset(replica.client, t),
+                                                          self.settings.deadlines.close_s, "Reset replay")
+                        close_id = f"{self.attempt_id}/close"
+                        await call_with_deadline(
+                            lambda t: replica.client.close(orphan.episode_id, request_id=close_id, timeout=t),
+                            self.settings.deadlines.close_s, "Close")
+
+                await finish_despite_cancellation(close_orphan())
                 raise
         self.episode_id = response.episode_id
         self.transcript = list(response.observations)
@@ -453,10 +476,10 @@ class Episode:
         try:
             if self.episode_id and replica.healthy:
                 with start_span(span_name(Operation.ENV_CLOSE, self.task.env), **{Attr.EPISODE_ID: self.episode_id}):
-                    await call_with_deadline(
+                    await finish_despite_cancellation(call_with_deadline(
                         lambda timeout: replica.client.close(self.episode_id, request_id=f"{self.attempt_id}/close",
                                                              timeout=timeout),
-                        self.settings.deadlines.close_s, "Close")
+                        self.settings.deadlines.close_s, "Close"))
         except SciprotoError as error:
             log.debug("closing %s on %s failed: %s", self.episode_id, replica.target, error)
         finally:
