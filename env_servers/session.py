@@ -48,6 +48,7 @@ class SessionStream:
         self._answers: asyncio.Queue[env_pb2.SessionResponse | None] = asyncio.Queue()
         self._running: dict[asyncio.Task[None], _Running] = {}
         self._opened: set[str] = set()  # episodes opened here and not closed yet
+        self._unreadable: SciprotoError | None = None  # a frame that was not a SessionRequest
 
     async def run(self, requests: AsyncIterator[env_pb2.SessionRequest]
                   ) -> AsyncIterator[env_pb2.SessionResponse]:
@@ -58,6 +59,8 @@ class SessionStream:
         try:
             while (answer := await self._answers.get()) is not None:
                 yield answer
+            if self._unreadable is not None:
+                raise self._unreadable  # the stream ends with its status (INVALID_ARGUMENT)
         finally:
             for task in (reader, heartbeat, *self._running):
                 task.cancel()
@@ -74,6 +77,8 @@ class SessionStream:
                 operation.add_done_callback(self._running.pop)
             if self._running:
                 await asyncio.wait(list(self._running))
+        except SciprotoError as error:  # an undecodable frame: no request_id to answer in-band
+            self._unreadable = error
         except Exception as error:  # the transport broke; the stream ends and cleans up
             log.info("session stream ended while reading: %s", error, exc_info=True)
         finally:

@@ -312,3 +312,27 @@ async def test_raw_session_stream_echoes_request_ids(env_server: ServerProcess) 
     assert by_kind["step"].request_id == "s1" and by_kind["step"].episode_id == reset.reset.episode_id
     assert by_kind["step"].step.observations[0].content == "42"
     assert by_kind["error"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+async def test_undecodable_session_frame_ends_the_stream_with_invalid_argument(env_server: ServerProcess) -> None:
+    """A frame that is not a SessionRequest has no request_id to answer in-band: the stream
+    ends with INVALID_ARGUMENT, and the episode it had opened is closed."""
+    before = await live_episodes(env_server.target)
+    reset = env_pb2.SessionRequest(reset=env_pb2.ResetRequest(
+        request_id=new_request_id(), env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=11)))
+    # Field 1 (reset) declared as a length-delimited field of 50 bytes, with 2 bytes present.
+    garbage = b"\x0a\x32\x08\x01"
+    async with grpc.aio.insecure_channel(env_server.target) as channel:
+        session = channel.stream_stream("/sciproto.v1.EnvironmentService/Session",
+                                        request_serializer=lambda wire: wire,
+                                        response_deserializer=env_pb2.SessionResponse.FromString)
+        call = session(timeout=30)
+        await call.write(reset.SerializeToString())
+        assert (await call.read()).WhichOneof("result") == "reset"
+        await call.write(garbage)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message" in ended.value.details()
+    assert await wait_for_live_episodes(env_server.target, before) == before
