@@ -42,6 +42,7 @@ SPLIT, SPLIT_SIZE = "train", 512
 REPLY = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content="42")
 CHANNELS = 8  # episodes are spread over several HTTP/2 connections, as several clients would
 CALL_TIMEOUT_S = 60.0
+RETRY_WINDOW_S = 10.0  # the server's idle TTL, and so how long it keeps answers for retries
 SETTLE_TIMEOUT_S = 30.0  # how long "after" waits for live episodes to reach 0 and memory to settle
 MEMORY_GOAL = 1.10  # after / before
 
@@ -167,7 +168,9 @@ def main() -> None:
 
     server: ServerProcess | None = None
     if args.target is None:
-        settings = [f"max_live_episodes={args.episodes + 64}", *args.settings]
+        # Answers kept for retries expire with the episode idle TTL; a short TTL lets "after"
+        # show the server once that window has passed, not the retry cache's last answers.
+        settings = [f"max_live_episodes={args.episodes + 64}", f"idle_ttl_s={RETRY_WINDOW_S}", *args.settings]
         server = start_server(["serve", "env", "--env", ENV, "--port", "0",
                                *(arg for setting in settings for arg in ("--set", setting))], timeout_s=120)
         progress(f"started an env server at {server.target}")

@@ -3,12 +3,15 @@ the same id (while the first is still running, or after) gets the first result.
 
 Unary operations run as their own tasks, so a caller that gives up (deadline, disconnect) does
 not cut an environment step in half: the step finishes and its result waits here for the retry.
-Only successes are kept: a failed operation can be tried again with the same id.
+Only successes are kept: a failed operation can be tried again with the same id. A result
+unused for `ttl_s` (the episode idle TTL: by then its episode has expired too) is dropped, so
+the cache empties once traffic stops instead of holding its last `size` answers for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
@@ -23,14 +26,18 @@ T = TypeVar("T")
 class _Entry:
     fingerprint: Hashable  # what the request asked for; a reused id must ask the same
     task: asyncio.Future[Any]
+    last_used: float  # time.monotonic() of the first call or the latest retry
 
 
 class IdempotencyCache:
-    """A bounded LRU map from (operation, request_id) to the operation's task."""
+    """A bounded LRU map from (operation, request_id) to the operation's task, whose entries
+    expire `ttl_s` after their last use."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, ttl_s: float) -> None:
         self.size = size
+        self.ttl_s = ttl_s
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._expiry: asyncio.TimerHandle | None = None
 
     async def run(self, operation: str, request_id: str, fingerprint: Hashable,
                   run: Callable[[], Awaitable[T]], *, detach: bool = True) -> T:
@@ -51,13 +58,14 @@ class IdempotencyCache:
                     " give every new request a new id (a uuid) and reuse an id only to retry",
                     Reason.DUPLICATE_REQUEST)
             self._entries.move_to_end(key)
+            entry.last_used = time.monotonic()
             return await asyncio.shield(entry.task)
         if detach:
             task: asyncio.Future[Any] = asyncio.ensure_future(run())
-            self._remember(key, _Entry(fingerprint, task))
+            self._remember(key, _Entry(fingerprint, task, time.monotonic()))
             return await asyncio.shield(task)
         result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._remember(key, _Entry(fingerprint, result))
+        self._remember(key, _Entry(fingerprint, result, time.monotonic()))
         try:
             value = await run()
         except asyncio.CancelledError:
@@ -76,6 +84,24 @@ class IdempotencyCache:
         entry.task.add_done_callback(lambda task: self._forget_failure(key, task))
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)  # a running operation goes on; only its retry is lost
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire)
+
+    def _expire(self) -> None:
+        """Drop entries unused for ttl_s (the oldest-used come first), then check again when
+        the next one falls due."""
+        self._expiry = None
+        cutoff = time.monotonic() - self.ttl_s
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if oldest.last_used > cutoff:
+                delay = oldest.last_used - cutoff
+                self._expiry = asyncio.get_running_loop().call_later(delay, self._expire)
+                return
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def _forget_failure(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
         if task.cancelled() or task.exception() is not None:

@@ -72,7 +72,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         self.splits = {name: dict(source.splits) for name, source in self.sources.items()}
         self.registry = EpisodeRegistry(config.max_live_episodes, config.idle_ttl_s,
                                         config.step_timeout_s, config.retry_after_s)
-        self.idempotency = IdempotencyCache(config.idempotency_cache_size)
+        self.idempotency = IdempotencyCache(config.idempotency_cache_size, config.idle_ttl_s)
         self.tools_seen: dict[str, list[common_pb2.ToolSpec]] = {}  # env -> tools of its last reset
 
     def start(self) -> None:
