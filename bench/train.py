@@ -9,7 +9,7 @@ result, so server start-up is left out), seconds the rollout client had nothing 
 the mean reward of the last steps when the budget ran out.
 Output: {"sync_k0": {...}, "async_k1": {...}, "async_k2": {...},
          "steps_per_s_ratio_k1_over_sync": ..., "reward_gain_k1_over_sync": ..., ...}.
-Usage: python bench/train.py [--seconds 100] [--config demo] [--output bench-train.json]
+Usage: python bench/train.py [--seconds 100] [--config demo] [--output FILE] [--set key=value]
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ def main() -> None:
     parser.add_argument("--config", default="demo")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="Also write the JSON here")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="Config override for every run, key.path=value (repeatable)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -68,11 +75,13 @@ def main() -> None:
                     f"run.name={name}",
                     "progress=false",
                     "budget.max_steps=null",
+                    "budget.target_reward=null",
                     f"budget.max_seconds={args.seconds}",
                     f"learner.grpo.max_staleness={staleness}",
                     "learner.checkpoint_every=0",
                     f"policy.seed={args.seed}",
                     f"learner.grpo.seed={args.seed}",
+                    *args.overrides,
                 ],
             )
             print(f"{name}: {args.seconds:.0f} s ...", file=sys.stderr, flush=True)

@@ -57,6 +57,9 @@ from sciproto.processes import ServerProcess, start_server
 
 log = logging.getLogger(__name__)
 
+# Ctrl-C, or a supervisor's polite stop: both end the run cleanly with every output written.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 _STATUS_TO_PB = {
     RolloutStatus.SCORED: common_pb2.REWARD_STATUS_SCORED,
     RolloutStatus.UNSCORED: common_pb2.REWARD_STATUS_UNSCORED,
@@ -616,10 +619,12 @@ async def _train_async(
 
     def interrupted() -> None:
         log.warning("interrupted: stopping after a final checkpoint (Ctrl-C again to abort)")
-        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C aborts
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)  # a second signal aborts
         stop.set()
 
-    loop.add_signal_handler(signal.SIGINT, interrupted)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, interrupted)
     started = time.monotonic()
 
     def on_step(record: StepRecord, outcome: TrainOutcome) -> None:
@@ -637,7 +642,8 @@ async def _train_async(
         )
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.remove_signal_handler(signal.SIGINT)
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
     if processes["learner"].alive():
         saved = await final_checkpoint(processes["learner"].target, config.processes.stop_timeout_s)
         outcome.checkpoint = saved.directory

@@ -254,7 +254,7 @@ class LearnerServicer:
                 async with self._step_lock:
                     self._step_running = True
                     await self._step(groups, wait_s)
-            except Exception as error:  # noqa: BLE001 - reported to every stream; the loop goes on
+            except Exception as error:  # reported to every stream; the loop goes on
                 log.exception("optimizer step failed")
                 self._broadcast(learner_pb2.TrainStepResponse(error=to_status(_as_sciproto(error))))
             finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,15 +36,20 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
         "--set",
         "budget.max_seconds=480",
     ]
-    finished = subprocess.run(
+    process = subprocess.Popen(
         command,
-        check=False,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=560,
         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    try:
+        output, _ = process.communicate(timeout=560)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)  # stops its servers too, unlike SIGKILL
+        output, _ = process.communicate(timeout=180)
+        pytest.fail(f"sciproto train overran its own budget:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-6000:]
     run_dir = tmp_path / "e2e"
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
