@@ -39,7 +39,7 @@ from learner.trainer import GRPOTrainer, StepMetrics
 from learner.types import RewardStatus, RolloutGroup, TrainSample
 from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
-from sciproto.errors import Internal, Reason, SciprotoError, to_status
+from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
 from sciproto.pb import common_pb2, learner_pb2
 from sciproto.server import server_info
 
@@ -59,9 +59,14 @@ class InvalidGroup(ValueError):
     """A RolloutGroup message that cannot be trained on; the message says what to fix."""
 
 
-def sample_from_pb(rollout: learner_pb2.Rollout) -> TrainSample:
+def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int) -> TrainSample:
     """A proto Rollout as a TrainSample: version spans become one version per trained token."""
     n = len(rollout.token_ids)
+    if n and max(rollout.token_ids) >= vocab_size:
+        raise InvalidGroup(
+            f"sample {rollout.sample_index}: token id {max(rollout.token_ids)} is outside the "
+            f"model's vocabulary of {vocab_size}; send ids the policy server of this model produced"
+        )
     versions = [-1] * n
     for span in rollout.version_spans:
         if not 0 <= span.start < span.end <= n:
@@ -105,13 +110,13 @@ def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:
     return status
 
 
-def group_from_pb(group: learner_pb2.RolloutGroup) -> RolloutGroup:
+def group_from_pb(group: learner_pb2.RolloutGroup, vocab_size: int) -> RolloutGroup:
     """A proto RolloutGroup as the trainer's RolloutGroup; InvalidGroup says what is wrong."""
     if not group.group_id:
         raise InvalidGroup("group_id is empty; every group needs a unique id")
     if not group.rollouts:
         raise InvalidGroup(f"group {group.group_id} has no rollouts")
-    samples = [sample_from_pb(rollout) for rollout in group.rollouts]
+    samples = [sample_from_pb(rollout, vocab_size) for rollout in group.rollouts]
     return RolloutGroup(group_id=group.group_id, task=group.task_id or group.env, samples=samples)
 
 
@@ -157,6 +162,7 @@ class LearnerServicer:
         self.metrics = metrics
         self.model_name = model_name
         self.buffer = RolloutBuffer(config.buffer_capacity, config.grpo.max_staleness)
+        self.vocab_size = trainer.model.get_input_embeddings().num_embeddings
         self.seen_group_ids: set[str] = set()
         self.trained_group_ids: set[str] = set()
         self.groups_duplicate = 0
@@ -392,13 +398,24 @@ class LearnerServicer:
     async def SaveCheckpoint(
         self, request: learner_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> learner_pb2.SaveCheckpointResponse:
-        root = Path(request.directory) if request.directory else self.config.run_dir
+        root = self._checkpoint_root(request.directory)
         async with self._step_lock:
             path = await self._save_checkpoint_locked(root)
             step, version = self.trainer.step, self.trainer.policy_version
         return learner_pb2.SaveCheckpointResponse(
             directory=str(path), step=step, policy_version=version
         )
+
+    def _checkpoint_root(self, directory: str) -> Path:
+        """The run directory, or a folder inside it: a caller never picks where on the
+        learner's disk a checkpoint lands."""
+        run_dir = self.config.run_dir.resolve()
+        root = (run_dir / directory).resolve()
+        if not root.is_relative_to(run_dir):
+            raise InvalidArgument(
+                f"directory {directory!r} leaves the run directory; give a folder relative to "
+                f"{run_dir} (or leave it empty)", Reason.INVALID_REQUEST)
+        return root
 
     async def TrainStep(
         self,
@@ -458,7 +475,7 @@ class LearnerServicer:
             self.groups_duplicate += 1
             return refused("duplicate")
         try:
-            group = group_from_pb(message)
+            group = group_from_pb(message, self.vocab_size)
         except InvalidGroup as error:
             log.info("group %r refused: %s", group_id, error)
             return learner_pb2.GroupReceipt(

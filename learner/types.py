@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 from pydantic import BaseModel, Field, model_validator
@@ -54,6 +55,12 @@ class TrainSample(BaseModel):
             )
         if any(v < 0 for v, m in zip(self.policy_versions, self.loss_mask) if m == 1):
             raise ValueError("TrainSample.policy_versions must be >= 0 wherever loss_mask is 1")
+        # One NaN would turn the whole optimizer step, and every policy server after the push, NaN.
+        if not all(math.isfinite(lp) for lp in self.rollout_logprobs):
+            raise ValueError("TrainSample.rollout_logprobs must all be finite (no NaN or infinity)")
+        if self.reward_status is RewardStatus.SCORED and not math.isfinite(self.reward):
+            raise ValueError("TrainSample.reward must be finite for a SCORED sample; "
+                             "mark a sample that could not be scored UNSCORED or INFRA_ERROR")
         return self
 
     @property

@@ -206,6 +206,38 @@ async def test_a_malformed_group_is_refused_and_the_stream_goes_on(learner: Serv
         await stream.close()
 
 
+async def test_poisoned_groups_are_refused_before_they_reach_the_optimizer(
+    learner: ServerProcess,
+) -> None:
+    """A NaN logprob or reward, or a token id outside the vocabulary, would turn the step (and
+    every policy server after the push) NaN, or fail it: each is an "invalid" receipt."""
+    async with make_channel(learner.target) as channel:
+        version = (await describe(channel)).policy_version
+        nan_logprob = make_group("poison/logprob", version)
+        nan_logprob.rollouts[0].rollout_logprobs[-1] = float("nan")
+        inf_reward = make_group("poison/reward", version)
+        inf_reward.rollouts[2].reward.value = float("inf")
+        out_of_vocab = make_group("poison/token", version)
+        out_of_vocab.rollouts[3].token_ids[6] = 10**6
+        stream = TrainStream(channel)
+        for group in (nan_logprob, inf_reward, out_of_vocab):
+            await stream.send(group)
+        receipts = await stream.receipts(3)
+        await stream.close()
+    assert [(r.accepted, r.reason) for r in receipts] == [(False, "invalid")] * 3
+    assert "finite" in receipts[0].detail and "finite" in receipts[1].detail
+    assert "vocabulary" in receipts[2].detail
+
+
+async def test_a_checkpoint_cannot_be_written_outside_the_run_directory(learner: ServerProcess) -> None:
+    async with make_channel(learner.target) as channel:
+        stub = learner_grpc.LearnerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(directory="../../elsewhere"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "run directory" in refused.value.details()
+
+
 async def test_a_killed_learner_resumes_from_its_checkpoint_without_counting_a_group_twice(
     policy: ServerProcess, tmp_path: Path
 ) -> None:

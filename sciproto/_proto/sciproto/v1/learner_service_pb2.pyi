@@ -419,7 +419,9 @@ class SaveCheckpointRequest(_message.Message):
     request_id: _builtins.str
     """Client-chosen id."""
     directory: _builtins.str
-    """Directory to write into; empty means the run directory's default."""
+    """Folder inside the learner's run directory to write into (relative);
+    empty means the run directory itself. Paths that leave it are refused.
+    """
     @_builtins.property
     def trace_context(self) -> _common_pb2.TraceContext:
         """Trace context of the caller."""
