@@ -29,7 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Se
 from pathlib import Path
 from typing import IO
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -53,7 +53,7 @@ from clients.rollouts import (
     read_rollouts,
 )
 from clients.summary import CollectSummary, summarize
-from sciproto.channel import ChannelConfig, TlsClientConfig
+from sciproto.channel import ServerAccess
 from sciproto.config import load_config
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
@@ -66,25 +66,6 @@ class ReplicaSettings(BaseModel):
     probe_interval_s: float = Field(0.5, gt=0, description="First wait between health probes of a failed replica")
     probe_max_interval_s: float = Field(5.0, gt=0, description="Longest wait between probes (the wait doubles)")
     wait_for_healthy_s: float = Field(30.0, gt=0, description="How long a call waits for some replica to be healthy")
-
-
-class ServerAccess(BaseModel):
-    """How the client reaches every replica of one kind of server: bearer token and TLS."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    token_file: Path | None = Field(None, description="File holding the bearer token")
-    token_env: str | None = Field(None, description="Environment variable holding the bearer token")
-    tls: TlsClientConfig | None = Field(None, description="None: plaintext (loopback and trusted networks only)")
-
-    @model_validator(mode="after")
-    def _one_token_source(self) -> ServerAccess:
-        if self.token_file is not None and self.token_env is not None:
-            raise ValueError("give token_file or token_env, not both")
-        return self
-
-    def channel(self, target: str) -> ChannelConfig:
-        return ChannelConfig(target=target, token_file=self.token_file, token_env=self.token_env, tls=self.tls)
 
 
 class CollectConfig(BaseModel):
@@ -318,4 +299,4 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "ServerAccess", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]

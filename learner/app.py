@@ -16,9 +16,11 @@ from learner.server_config import LearnerServerConfig
 from learner.service import LearnerServicer
 from learner.trainer import GRPOTrainer
 from learner.weight_push import build_weight_pusher
+from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_config, resolve_path
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("learner")
 
@@ -48,7 +50,15 @@ def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
     return trainer, loaded.name
 
 
-async def serve(config: LearnerServerConfig) -> None:
+async def serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
+    setup_tracing(config.tracing, "sciproto-learner")
+    try:
+        await _serve(config, authenticator)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
     trainer, model_name = build_trainer(config)
     pusher = build_weight_pusher(config) if config.policy_targets else None
     metrics = MetricsLogger(config.run_dir, config.metrics)
@@ -57,6 +67,8 @@ async def serve(config: LearnerServerConfig) -> None:
     running = await start_server(
         config.server,
         [Service(LEARNER_SERVICE, servicer, learner_grpc.add_LearnerServiceServicer_to_server)],
+        interceptors=server_interceptors(config.tracing),
+        auth=authenticator,
     )
     log.info(
         "training %s (step %d, version %d) on %s:%d; pushing to %s",
@@ -73,12 +85,8 @@ async def serve(config: LearnerServerConfig) -> None:
 def main(config: str | None, overrides: list[str]) -> None:
     try:
         settings = load_learner_config(config, overrides)
-        if settings.auth is not None:
-            raise ConfigError(
-                f"authentication settings were given ({sorted(settings.auth)}) but the learner "
-                "does not apply them yet; remove `auth` (and --auth)"
-            )
+        authenticator = settings.auth.load()  # a missing token fails now, not after the model loads
     except ConfigError as error:
         print(f"sciproto serve learner: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, authenticator))

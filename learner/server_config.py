@@ -8,7 +8,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.config import GRPOConfig
+from sciproto.auth import AuthConfig
+from sciproto.channel import ServerAccess
 from sciproto.server import ServerConfig
+from sciproto.tracing import TracingConfig
 
 
 class MetricsConfig(BaseModel):
@@ -79,8 +82,12 @@ class LearnerServerConfig(BaseModel):
         description="Save a checkpoint every this many steps (0: only on request and at shutdown)",
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    # Placeholder for authentication settings; not enforced by this server yet.
-    auth: dict[str, Any] | None = None
+    policy_access: ServerAccess = Field(
+        default_factory=ServerAccess,
+        description="Token (with the trainer role) and TLS for pushing weights to the policy servers",
+    )
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Who may call this learner")
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _buffer_holds_a_batch(self) -> LearnerServerConfig:

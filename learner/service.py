@@ -375,6 +375,7 @@ class LearnerServicer:
                 "sciproto-learner",
                 ["train_step.dedupe", f"weights.{self.config.push_transport}", "checkpoint.resume"],
                 service=pb.LEARNER_SERVICE,
+                auth=self.config.auth,
             ),
             model=self.model_name,
             step=self.trainer.step,

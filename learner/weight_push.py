@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from clients.policy_client import PolicyClient, push_weights_to_all
 from learner.server_config import LearnerServerConfig
+from sciproto.channel import ServerAccess
 from sciproto.config import ConfigError
 
 
@@ -52,10 +53,11 @@ class WeightPusher(Protocol):
 class GrpcWeightPusher:
     """UpdateWeights chunk streams to every target, concurrently."""
 
-    def __init__(self, targets: Sequence[str], timeout_s: float) -> None:
+    def __init__(self, targets: Sequence[str], timeout_s: float, access: ServerAccess | None = None) -> None:
         self.targets = list(targets)
         self.timeout_s = timeout_s
-        self._clients = [PolicyClient(target) for target in self.targets]
+        access = access or ServerAccess()
+        self._clients = [PolicyClient(access.channel(target)) for target in self.targets]
 
     async def serving_versions(self) -> list[int]:
         described = await asyncio.gather(
@@ -77,7 +79,7 @@ class GrpcWeightPusher:
 def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
     """The pusher of `config.push_transport` for `config.policy_targets`."""
     if config.push_transport == "grpc":
-        return GrpcWeightPusher(config.policy_targets, config.push_timeout_s)
+        return GrpcWeightPusher(config.policy_targets, config.push_timeout_s, config.policy_access)
     try:
         module = importlib.import_module("learner.vllm_sync")
     except ImportError as error:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sciproto.tls import read_pem
 from sciproto.tokens import read_token
@@ -161,3 +161,22 @@ def make_channel(config: ChannelConfig | str, interceptors: list[grpc.aio.Client
     if config.tls is not None:
         return grpc.aio.secure_channel(config.target, config.tls.credentials(), config.options(), interceptors=all_interceptors)
     return grpc.aio.insecure_channel(config.target, config.options(), interceptors=all_interceptors)
+
+
+class ServerAccess(BaseModel):
+    """How the client reaches every replica of one kind of server: bearer token and TLS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_file: Path | None = Field(None, description="File holding the bearer token")
+    token_env: str | None = Field(None, description="Environment variable holding the bearer token")
+    tls: TlsClientConfig | None = Field(None, description="None: plaintext (loopback and trusted networks only)")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerAccess:
+        if self.token_file is not None and self.token_env is not None:
+            raise ValueError("give token_file or token_env, not both")
+        return self
+
+    def channel(self, target: str) -> ChannelConfig:
+        return ChannelConfig(target=target, token_file=self.token_file, token_env=self.token_env, tls=self.tls)

@@ -1,6 +1,6 @@
-"""`sciproto serve env|policy --auth FILE` end to end: one auth file for both servers, a
-collection that reaches them with its tokens, and the policy server's roles (sampling needs
-AGENT, pushing weights TRAINER)."""
+"""`sciproto serve env|policy|learner --auth FILE` end to end: one auth file for every server,
+a collection that reaches them with its tokens, the policy server's roles (sampling needs
+AGENT, pushing weights TRAINER) and the learner's (TrainStep needs TRAINER)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from clients.collect import CollectConfig, run_collection
 from clients.policy_client import PolicyClient, generate_request
 from policy_server.models import load_model
-from sciproto.channel import ChannelConfig
+from sciproto import pb
+from sciproto.channel import ChannelConfig, make_channel
 from sciproto.config import load_config
-from sciproto.errors import PermissionDenied, Reason, Unauthenticated
+from sciproto.errors import PermissionDenied, Reason, Unauthenticated, from_rpc_error
 from sciproto.processes import ServerProcess, start_server
 
 TOKEN_ENV = {"rollout": "AUTH_E2E_ROLLOUT_TOKEN", "trainer": "AUTH_E2E_TRAINER_TOKEN"}
@@ -29,6 +31,7 @@ class Servers:
     env: ServerProcess
     policy: ServerProcess
     tokens: dict[str, str]
+    auth_file: Path
 
     def policy_client(self, principal: str | None) -> PolicyClient:
         token = self.tokens[principal] if principal else None
@@ -54,7 +57,7 @@ tokens:
         try:
             policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0", *auth])
             try:
-                yield Servers(env, policy, tokens)
+                yield Servers(env, policy, tokens, folder / "auth.yaml")
             finally:
                 policy.stop()
         finally:
@@ -90,3 +93,33 @@ async def test_policy_roles(servers: Servers) -> None:
     assert denied.value.reason == Reason.PERMISSION_DENIED and "'trainer'" in denied.value.message
     assert pushed.policy_version == described.policy_version == 1
     assert list(described.server.auth_roles) == ["agent", "observer", "trainer"]
+
+
+async def test_learner_roles(servers: Servers, tmp_path: Path) -> None:
+    """`sciproto serve learner --auth FILE`: TrainStep and Describe need trainer/observer."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, variable in TOKEN_ENV.items():
+            patch.setenv(variable, servers.tokens[name])
+        learner = start_server(["serve", "learner", "--port", "0", "--auth", str(servers.auth_file),
+                                "--set", f"run_dir={tmp_path / 'run'}"])
+    try:
+        def channel(principal: str | None) -> grpc.aio.Channel:
+            token = servers.tokens[principal] if principal else None
+            return make_channel(ChannelConfig(target=learner.target, token=token, max_attempts=1))
+
+        async with channel("trainer") as trainer:
+            described = await pb.learner_grpc.LearnerServiceStub(trainer).Describe(
+                pb.learner_pb2.LearnerServiceDescribeRequest())
+        failures = []
+        for principal in (None, "rollout"):
+            async with channel(principal) as refused:
+                call = pb.learner_grpc.LearnerServiceStub(refused).TrainStep(
+                    iter([pb.learner_pb2.TrainStepRequest()]))
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in call:
+                        pass
+            failures.append(from_rpc_error(caught.value))
+    finally:
+        learner.stop()
+    assert list(described.server.auth_roles) == ["observer", "trainer"]
+    assert [type(f) for f in failures] == [Unauthenticated, PermissionDenied]
