@@ -31,7 +31,11 @@ class AroundInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return wrap_handler(handler, handler_call_details.method, self.around)
+        return wrap_handler(self.prepare(handler), handler_call_details.method, self.around)
+
+    def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """Adapt the handler before it is wrapped; the identity unless a subclass says otherwise."""
+        return handler
 
 
 def wrap_handler(
@@ -108,15 +112,8 @@ class ErrorInterceptor(AroundInterceptor):
     Requests are parsed inside it (see `parse_inside`), so undecodable bytes
     are INVALID_ARGUMENT."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        return wrap_handler(parse_inside(handler), handler_call_details.method, self.around)
+    def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return parse_inside(handler)
 
     @contextlib.asynccontextmanager
     async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:

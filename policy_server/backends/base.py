@@ -9,6 +9,20 @@ import torch
 
 from policy_server.types import BackendInfo, GenerationRequest, SampleResult, TensorSpec, TokenDelta
 
+# What every in-process backend (transformers, vllm) offers, as Describe lists it.
+CAPABILITIES = [
+    "chat",
+    "prompt_token_ids",
+    "tool_calls",
+    "logprobs",
+    "multi_turn_token_ids",
+    "n_samples",
+    "seed",
+    "stop_strings",
+    "weight_updates",
+    "version_spans",
+]
+
 
 @runtime_checkable
 class PolicyBackend(Protocol):

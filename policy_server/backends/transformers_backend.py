@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
 from policy_server.models import LoadedModel
@@ -40,19 +41,6 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-
-CAPABILITIES = [
-    "chat",
-    "prompt_token_ids",
-    "tool_calls",
-    "logprobs",
-    "multi_turn_token_ids",
-    "n_samples",
-    "seed",
-    "stop_strings",
-    "weight_updates",
-    "version_spans",
-]
 
 
 @dataclass
@@ -160,7 +148,7 @@ class TransformersBackend:
             quantization="",
             max_context=self._loaded.max_context,
             policy_version=self._version,
-            capabilities=list(CAPABILITIES),
+            capabilities=list(BASE_CAPABILITIES),
             supports_weight_updates=True,
         )
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
@@ -55,19 +56,7 @@ VLLM_MISSING = (
     "machine with an NVIDIA GPU, or serve with backend=transformers"
 )
 
-CAPABILITIES = [
-    "chat",
-    "prompt_token_ids",
-    "tool_calls",
-    "logprobs",
-    "multi_turn_token_ids",
-    "n_samples",
-    "seed",
-    "stop_strings",
-    "weight_updates",
-    "weight_updates_nccl",
-    "version_spans",
-]
+CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
 
 # vLLM's label of the weights it loaded at start, before any update named a version
 _INITIAL_WEIGHTS_LABEL = "default"
