@@ -1,10 +1,15 @@
 import asyncio
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import pytest_asyncio
+from policy_service_helpers import policy_server_process
 
+from clients.policy_client import PolicyClient
 from policy_server.backends.transformers_backend import TransformersBackend
 from policy_server.models import LoadedModel, load_model
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
+from sciproto.processes import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +39,15 @@ async def _collect(
 @pytest.fixture
 def collect():
     return _collect
+
+
+# One policy server process per test module that asks for it (module scope).
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    yield from policy_server_process()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(server: ServerProcess) -> AsyncIterator[PolicyClient]:
+    async with PolicyClient(server.target) as client:
+        yield client

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import pytest_asyncio
 import torch
 from policy_service_helpers import (
     SEED,
-    policy_server_process,
     reference_logprobs,
     reference_model,
     wait_until_idle,
@@ -19,7 +16,6 @@ from policy_service_helpers import (
 from clients.policy_client import PolicyClient, generate_request
 from sciproto.errors import DeadlineExceeded, InvalidArgument, Reason
 from sciproto.pb import common_pb2, policy_pb2
-from sciproto.processes import ServerProcess
 from sciproto.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -29,17 +25,6 @@ PROMPT = [10, 20, 30, 40]  # greedy decoding of the seed-3 tiny model runs long 
 
 def user(text: str) -> common_pb2.ChatMessage:
     return common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content=text)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    yield from policy_server_process()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(server: ServerProcess) -> AsyncIterator[PolicyClient]:
-    async with PolicyClient(server.target) as client:
-        yield client
 
 
 async def test_describe_reports_model_backend_and_capabilities(client: PolicyClient) -> None:

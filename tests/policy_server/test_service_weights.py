@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
-import pytest_asyncio
 import torch
-from policy_service_helpers import SEED, policy_server_process, reference_logprobs, reference_model
+from policy_service_helpers import SEED, reference_logprobs, reference_model
 
 from clients.policy_client import (
     PolicyClient,
@@ -37,17 +36,6 @@ GREEDY = generate_request(prompt_token_ids=PROMPT, temperature=0, max_tokens=32)
 
 def parameters_of_seed(seed: int) -> dict[str, torch.Tensor]:
     return distinct_tensors(reference_model(seed).model.state_dict())
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    yield from policy_server_process()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(server: ServerProcess) -> AsyncIterator[PolicyClient]:
-    async with PolicyClient(server.target) as client:
-        yield client
 
 
 async def raw_update(client: PolicyClient, header: policy_pb2.WeightsHeader, chunks: list[bytes]) -> None:
