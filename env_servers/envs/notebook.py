@@ -5,6 +5,7 @@ folder into a fresh temporary directory, runs its own kernel there, and removes 
 A submit_answer tool ends the episode: reward 1 for a correct answer, 0 otherwise.
 """
 
+import asyncio
 import json
 import math
 import shutil
@@ -14,9 +15,11 @@ from pathlib import Path
 
 from aviary.core import Message, Messages, Tool
 from aviary.envs.notebook import NBEnvironment, NBEnvironmentState
+from aviary.envs.notebook.utils import nbformat_run_notebook
+from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
 from jupyter_client.manager import AsyncKernelManager
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from env_servers.envs.source import (
     EnvironmentSource,
@@ -68,12 +71,31 @@ def parse_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+KERNEL_READY_TIMEOUT_S = 60.0
+
+
 class LocalKernelState(NBEnvironmentState):
+    """A local kernel and one client for it, ready (shell and IOPub connected) before the first cell."""
+
+    _kernel_client: AsyncKernelClient = PrivateAttr()
+
     async def start_kernel(self) -> None:
         # Aviary asks for a kernelspec named "python", but ipykernel installs itself as
         # "python3" (jupyter_client's native kernel), so we start that one.
         self._kernel_manager = AsyncKernelManager(kernel_name=NATIVE_KERNEL_NAME)
         await self._kernel_manager.start_kernel(cwd=str(self.work_dir))
+        # Aviary opens a new client per step and executes at once; its IOPub subscription can
+        # reach the kernel after the cell's output and idle status were published (ZeroMQ's
+        # late joiner), and the step then waits out the whole cell timeout. One client, made
+        # ready once (wait_for_ready checks that IOPub receives), serves every step.
+        self._kernel_client = self._kernel_manager.client()
+        self._kernel_client.start_channels()
+        await self._kernel_client.wait_for_ready(timeout=KERNEL_READY_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if hasattr(self, "_kernel_client"):
+            self._kernel_client.stop_channels()
+        await super().close()
 
 
 class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
@@ -96,6 +118,18 @@ class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
         self.reward_components = {}
         self.tools = [*tools, Tool.from_function(self.submit_answer)]
         return [Message(content=self.task.prompt()), *notebook_observations], self.tools
+
+    async def _run_notebook_local(self, cell_idx: int | None = None) -> str:
+        """Aviary's local run, on the episode's ready kernel client instead of a new one per step."""
+        try:
+            async with asyncio.timeout(self.cell_execution_timeout):
+                await nbformat_run_notebook(cells=self.state.cells, client=self.state._kernel_client,
+                                            cell_idx=cell_idx)
+        except TimeoutError as error:
+            raise TimeoutError(f"Notebook execution timed out after {self.cell_execution_timeout} seconds") from error
+        self.state.save_nb()
+        self.state.reload_nb()
+        return "Executed all cells."
 
     async def submit_answer(self, answer: str) -> str:
         """Submit the final answer to the question. This ends the episode.
