@@ -179,8 +179,9 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                               Reason.INVALID_REQUEST)
 
     def _episode_reward(self, episode_id: str) -> common_pb2.Reward:
-        """The episode's return so far: SCORED once it terminated, UNSCORED before (or when cut
-        short), INFRA_ERROR if its environment failed."""
+        """The episode's return as it stands: SCORED once it terminated; before that (or when
+        cut short) SCORED as a missing answer where the environment grades one, else UNSCORED;
+        INFRA_ERROR if its environment failed."""
         episode = self.registry.get(episode_id)
         episode.touch()
         if episode.failure is not None:
@@ -189,8 +190,16 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             return common_pb2.Reward(value=episode.total_reward, components=reward_components(episode.env),
                                      status=common_pb2.REWARD_STATUS_SCORED)
         state = "was truncated before it terminated" if episode.truncated else "has not terminated yet"
-        return common_pb2.Reward(value=episode.total_reward, status=common_pb2.REWARD_STATUS_UNSCORED,
-                                 detail=f"the episode {state} ({episode.step_count} steps)")
+        unanswered = self.sources[episode.env_name].unanswered_reward(episode.env)
+        if unanswered is None:
+            return common_pb2.Reward(value=episode.total_reward, status=common_pb2.REWARD_STATUS_UNSCORED,
+                                     detail=f"the episode {state} ({episode.step_count} steps)")
+        value, components = unanswered
+        # return = rewards of the steps so far + the grade of the missing answer
+        return common_pb2.Reward(value=episode.total_reward + value, components=components,
+                                 status=common_pb2.REWARD_STATUS_SCORED,
+                                 detail=f"the episode {state} ({episode.step_count} steps) without an answer:"
+                                        " graded as a wrong answer")
 
     async def _trajectory_reward(self, trajectory: env_pb2.StoredTrajectory) -> common_pb2.Reward:
         source = self._source(trajectory.env)

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
-from aviary.core import Message
+from aviary.core import Environment, Message
 from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
 from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
@@ -22,6 +22,7 @@ from env_servers.envs.source import (
     EnvironmentSource,
     RewardComponents,
     last_tool_argument,
+    no_submission,
     require_fields,
 )
 
@@ -183,6 +184,10 @@ class GSM8kSource(EnvironmentSource):
         )
         answer = last_tool_argument(messages, "submit_answer", "answer")
         if answer is None:
-            return env.config.incorrect_reward, {"correct": 0.0, "submitted": 0.0}
+            return no_submission(env.config.incorrect_reward)
         correct, reward, _ = env.submit_answer(answer)
         return reward, {"correct": float(correct), "submitted": 1.0}
+
+    def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
+        assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"
+        return no_submission(env.config.incorrect_reward)

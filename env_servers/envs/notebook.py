@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
-from aviary.core import Message, Messages, Tool
+from aviary.core import Environment, Message, Messages, Tool
 from aviary.envs.notebook import NBEnvironment, NBEnvironmentState
 from aviary.envs.notebook.utils import nbformat_run_notebook
 from jupyter_client.asynchronous.client import AsyncKernelClient
@@ -25,6 +25,7 @@ from env_servers.envs.source import (
     EnvironmentSource,
     RewardComponents,
     last_tool_argument,
+    no_submission,
     require_fields,
 )
 
@@ -227,6 +228,9 @@ class NotebookSource(EnvironmentSource):
             "files": json.dumps(task.files),
         }
 
+    def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
+        return no_submission(0.0)
+
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]
     ) -> tuple[float, RewardComponents]:
@@ -234,6 +238,6 @@ class NotebookSource(EnvironmentSource):
         self.check_task(split, index)
         answer = last_tool_argument(messages, "submit_answer", "answer")
         if answer is None:
-            return 0.0, {"correct": 0.0, "submitted": 0.0}
+            return no_submission(0.0)
         correct = self._tasks[split][index].is_correct(answer)
         return float(correct), {"correct": float(correct), "submitted": 1.0}

@@ -31,6 +31,11 @@ def reward_components(env: Environment) -> RewardComponents:
     return {}
 
 
+def no_submission(reward: float) -> tuple[float, RewardComponents]:
+    """The reward of an episode that submitted no answer, graded as a wrong answer worth `reward`."""
+    return reward, {"correct": 0.0, "submitted": 0.0}
+
+
 def last_tool_argument(messages: Sequence[Message], tool: str, argument: str) -> str | None:
     """The `argument` of the latest call to `tool` in a trajectory, or None if never called.
 
@@ -101,6 +106,13 @@ class EnvironmentSource(ABC):
         raise RescoreUnsupportedError(
             f"environment {self.name!r} cannot score a stored trajectory; replay it instead"
         )
+
+    def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents] | None:
+        """The reward added to an episode's return when it has not ended with an answer (the
+        agent ran out of budget, or Verify came early), for environments whose tasks are
+        answered once: a missing answer is a wrong one. None, the default: such an episode
+        cannot be judged and is reported UNSCORED."""
+        return None
 
     def check_task(self, split: str, index: int) -> None:
         """KeyError for an unknown split, IndexError for an index outside it."""

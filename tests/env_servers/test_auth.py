@@ -110,8 +110,11 @@ async def test_verify_needs_the_grader_role_also_inside_a_session(served: Served
     assert "'grader'" in in_band.value.message and step.terminated
     async with served.client("team_b") as grader, grader.session() as session:
         opened = await session.reset("toy", split="test", index=3)
+        early = await session.verify(opened.episode_id)  # toy cannot grade an unfinished episode
         await session.step(opened.episode_id, REPLY)
         verified = await session.verify(opened.episode_id)
+    assert early.reward.status == common_pb2.REWARD_STATUS_UNSCORED
+    assert "has not terminated yet" in early.reward.detail
     assert verified.reward.status == common_pb2.REWARD_STATUS_SCORED
 
 

@@ -81,6 +81,20 @@ async def test_gsm8k_episode_over_unary_calls(env_server: ServerProcess) -> None
         assert not (await client.close(reset.episode_id)).closed  # closing twice is fine
 
 
+async def test_an_episode_without_an_answer_is_graded_as_a_wrong_one(env_server: ServerProcess) -> None:
+    """An agent out of budget before submit_answer gets GSM8K's wrong-answer reward, SCORED, so that
+    a policy that never answers is trained away from it instead of masked out."""
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="test", index=3)
+        step = await client.step(reset.episode_id, calculator("6 * 7"))
+        verified = await client.verify(reset.episode_id)
+        await client.close(reset.episode_id)
+    assert not step.terminated
+    assert (verified.reward.value, verified.reward.status) == (0.0, SCORED)
+    assert dict(verified.reward.components) == {"correct": 0.0, "submitted": 0.0}
+    assert "without an answer" in verified.reward.detail
+
+
 async def test_plain_reply_is_a_message_not_an_empty_tool_request(env_server: ServerProcess) -> None:
     """CalculatorEnv answers a plain reply with its no-tool-calls response (reward 0), while an
     empty tool request would be a failed tool call (reward -1)."""

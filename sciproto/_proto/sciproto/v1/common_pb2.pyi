@@ -64,7 +64,9 @@ class _RewardStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardSt
     REWARD_STATUS_SCORED: _RewardStatus.ValueType  # 1
     """The environment judged the agent's work; `value` is meaningful."""
     REWARD_STATUS_UNSCORED: _RewardStatus.ValueType  # 2
-    """No judgement was made (episode cut short, no answer to grade). Not an error."""
+    """No judgement was made (an episode cut short in an environment that cannot
+    grade it unfinished). Not an error.
+    """
     REWARD_STATUS_INFRA_ERROR: _RewardStatus.ValueType  # 3
     """The environment itself failed (tool crashed, kernel died, timeout). The
     sample must be masked out of training, never read as a wrong answer.
@@ -78,7 +80,9 @@ REWARD_STATUS_UNSPECIFIED: RewardStatus.ValueType  # 0
 REWARD_STATUS_SCORED: RewardStatus.ValueType  # 1
 """The environment judged the agent's work; `value` is meaningful."""
 REWARD_STATUS_UNSCORED: RewardStatus.ValueType  # 2
-"""No judgement was made (episode cut short, no answer to grade). Not an error."""
+"""No judgement was made (an episode cut short in an environment that cannot
+grade it unfinished). Not an error.
+"""
 REWARD_STATUS_INFRA_ERROR: RewardStatus.ValueType  # 3
 """The environment itself failed (tool crashed, kernel died, timeout). The
 sample must be masked out of training, never read as a wrong answer.

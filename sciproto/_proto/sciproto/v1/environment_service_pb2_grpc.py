@@ -93,7 +93,10 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Grades an episode, or a stored trajectory, without changing it.
+        """Grades an episode as it stands, or a stored trajectory, without changing
+        it. An episode that has not ended with an answer is SCORED as a wrong
+        answer by environments whose tasks are answered once (gsm8k, notebook),
+        and UNSCORED by the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,11 @@ class EnvironmentServiceStub:
     Step: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.StepRequest, _environment_service_pb2.StepResponse]
     """Applies one assistant action to an episode."""
     Verify: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.VerifyRequest, _environment_service_pb2.VerifyResponse]
-    """Grades an episode, or a stored trajectory, without changing it."""
+    """Grades an episode as it stands, or a stored trajectory, without changing
+    it. An episode that has not ended with an answer is SCORED as a wrong
+    answer by environments whose tasks are answered once (gsm8k, notebook),
+    and UNSCORED by the others.
+    """
     Close: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.CloseRequest, _environment_service_pb2.CloseResponse]
     """Ends an episode and frees its resources. Closing twice is not an error."""
     Session: _grpc.StreamStreamMultiCallable[_environment_service_pb2.SessionRequest, _environment_service_pb2.SessionResponse]
@@ -63,7 +67,11 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     Step: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.StepRequest, _environment_service_pb2.StepResponse]  # type: ignore[assignment]
     """Applies one assistant action to an episode."""
     Verify: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.VerifyRequest, _environment_service_pb2.VerifyResponse]  # type: ignore[assignment]
-    """Grades an episode, or a stored trajectory, without changing it."""
+    """Grades an episode as it stands, or a stored trajectory, without changing
+    it. An episode that has not ended with an answer is SCORED as a wrong
+    answer by environments whose tasks are answered once (gsm8k, notebook),
+    and UNSCORED by the others.
+    """
     Close: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.CloseRequest, _environment_service_pb2.CloseResponse]  # type: ignore[assignment]
     """Ends an episode and frees its resources. Closing twice is not an error."""
     Session: _aio.StreamStreamMultiCallable[_environment_service_pb2.SessionRequest, _environment_service_pb2.SessionResponse]  # type: ignore[assignment]
@@ -104,7 +112,11 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _environment_service_pb2.VerifyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_environment_service_pb2.VerifyResponse, _abc.Awaitable[_environment_service_pb2.VerifyResponse]]:
-        """Grades an episode, or a stored trajectory, without changing it."""
+        """Grades an episode as it stands, or a stored trajectory, without changing
+        it. An episode that has not ended with an answer is SCORED as a wrong
+        answer by environments whose tasks are answered once (gsm8k, notebook),
+        and UNSCORED by the others.
+        """
 
     @_abc_1.abstractmethod
     def Close(
