@@ -174,14 +174,15 @@ def output_paths(output: Path) -> tuple[Path, Path]:
     return output.with_name(f"{output.stem}.failures.jsonl"), output.with_name(f"{output.stem}.summary.json")
 
 
-async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> int:
+async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> int | None:
+    """Number of tasks in the split; None when it is unbounded."""
     async with env.lease() as replica:
         described = await replica.client.describe(timeout=timeout_s)
     for info in described.environments:
         if info.name == name:
             for split_info in info.splits:
                 if split_info.name == split:
-                    return split_info.size
+                    return None if split_info.unbounded else split_info.size
             raise CollectError(f"environment {name!r} has no split {split!r}; its splits are"
                                f" {[s.name for s in info.splits]}")
     raise CollectError(f"env server {replica.target} does not host {name!r}; it hosts"
@@ -220,6 +221,15 @@ class RolloutWriter:
         self._failures.close()
 
 
+def tasks_to_run(size: int | None, limit: int | None, split: str) -> int:
+    """The first `limit` tasks of the split, or all of them; an unbounded split needs a limit."""
+    if size is None:
+        if limit is None:
+            raise CollectError(f"split {split} is unbounded (any index is a task): pass --limit N")
+        return limit
+    return size if limit is None else min(limit, size)
+
+
 def pending_tasks(env_name: str, split: str, count: int, samples: int, done: set[str]) -> list[TaskKey]:
     """Tasks with at least one sample missing from the output (the whole group runs again; only
     the missing samples are written)."""
@@ -239,7 +249,7 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
     async with env_pool(env_channels, interceptors=interceptors, **options) as env, \
             policy_pool(policy_channels, interceptors=interceptors, **options) as policy:
         size = await split_size(env, env_name, split, config.deadlines.describe_s)
-        count = size if limit is None else min(limit, size)
+        count = tasks_to_run(size, limit, f"{env_name}:{split}")
         writer = RolloutWriter(output, failures_path)
         todo = pending_tasks(env_name, split, count, samples, writer.done)
         log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",

@@ -372,7 +372,8 @@ async def run_rollouts_into_learner(
         async def tasks() -> AsyncIterator[TaskKey]:
             for number in itertools.count():
                 await flow.admit()
-                yield TaskKey(env_name, split, number % size)
+                # Epochs over a bounded split; an unbounded one (any index is a task) never repeats.
+                yield TaskKey(env_name, split, number if size is None else number % size)
 
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             async for group in collect(

@@ -89,8 +89,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         environments = [
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
-                # An unbounded split reports size 0: any index is valid there.
-                splits=[env_pb2.SplitInfo(name=split, size=max(size, 0))
+                splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
                         for split, size in self.splits[name].items()])
             for name, source in self.sources.items()
         ]

@@ -9,7 +9,7 @@ import pytest
 
 from sciproto.processes import ServerProcess, start_server
 
-ENV_ARGS = ["serve", "env", "--env", "gsm8k", "--env", "toy"]
+ENV_ARGS = ["serve", "env", "--env", "gsm8k", "--env", "toy", "--env", "dummy"]  # dummy: an unbounded split
 POLICY_ARGS = ["serve", "policy", "--model", "tiny"]
 
 # The tiny random model rambles: keep turns and episodes short.

@@ -11,8 +11,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from clients.agent import env_pool, policy_pool
-from clients.collect import CollectConfig, collect, main, output_paths, run_collection, tasks_of
+from clients.collect import (
+    CollectConfig,
+    CollectError,
+    collect,
+    main,
+    output_paths,
+    run_collection,
+    tasks_of,
+)
 from clients.env_client import EnvClient
 from clients.retries import RetryPolicy
 from clients.rollouts import RolloutRecord, RolloutStatus, read_rollouts
@@ -56,7 +66,8 @@ def test_gsm8k_collection_writes_valid_lines(tmp_path: Path, env_server, policy_
     assert sorted(r.rollout_id for r in records) == [f"gsm8k/test/{i}/{s}" for i in range(3) for s in range(2)]
     for record in records:
         assert json.loads(record.to_json_line())["schema"] == "sciproto.rollout/1"
-        assert record.status in (RolloutStatus.SCORED, RolloutStatus.UNSCORED) and record.error is None
+        # Episodes that end without an answer are graded as wrong answers, not left unscored.
+        assert record.status is RolloutStatus.SCORED and record.error is None
         assert record.task["question"] and record.messages[0].role in ("system", "user")
         assert_well_formed(record)
     # The random model never calls a tool, so gsm8k asks again: both turns are used.
@@ -71,6 +82,17 @@ def test_gsm8k_collection_writes_valid_lines(tmp_path: Path, env_server, policy_
     assert failures.read_text() == ""
     assert json.loads(summary_path.read_text())["rollouts"] == summary.rollouts == 6
     assert summary.tokens["completion"] == sum(r.tokens.completion for r in records)
+
+
+def test_an_unbounded_split_needs_a_limit(tmp_path: Path, env_server, policy_server) -> None:
+    output = tmp_path / "dummy.jsonl"
+    with pytest.raises(CollectError, match="unbounded.*--limit"):
+        main(env=[env_server.target], policy=[policy_server.target], tasks="dummy:default", output=output,
+             overrides=FAST)
+    summary = main(env=[env_server.target], policy=[policy_server.target], tasks="dummy:default", output=output,
+                   limit=2, overrides=FAST)
+    assert summary.rollouts == 2
+    assert sorted(r.rollout_id for r in read_rollouts(output)) == ["dummy/default/0/0", "dummy/default/1/0"]
 
 
 def test_killed_collection_resumes_without_duplicates_or_losses(tmp_path: Path, env_server, policy_server) -> None:

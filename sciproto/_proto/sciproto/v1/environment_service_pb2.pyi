@@ -59,19 +59,27 @@ class SplitInfo(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    UNBOUNDED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Split name, e.g. "train" or "test"."""
     size: _builtins.int
-    """Number of tasks; valid TaskRef.index values are 0..size-1."""
+    """Number of tasks; valid TaskRef.index values are 0..size-1. 0 when
+    `unbounded`.
+    """
+    unbounded: _builtins.bool
+    """The split has no length (a generated or streamed dataset): any
+    TaskRef.index >= 0 is valid.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         size: _builtins.int = ...,
+        unbounded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size", b"size", "unbounded", b"unbounded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
