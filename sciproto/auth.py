@@ -24,12 +24,22 @@ from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from sciproto import pb
 from sciproto.config import ConfigError
@@ -167,6 +177,13 @@ class AuthConfig(AuthSettings):
             raise ValueError(f"auth.file ({self.file}) and inline auth settings ({', '.join(inline)}) are both "
                              "given: move the inline settings into the file")
         return self
+
+    @model_serializer(mode="wrap")
+    def _file_alone(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A saved config (sciproto train hands one to each child process) must load again:
+        # with a file, the inline defaults would read as settings given beside it.
+        data: dict[str, Any] = serialize(self)
+        return {"file": data["file"]} if self.file is not None else data
 
     def settings(self) -> AuthSettings:
         """The settings in force: the file's, or the inline ones."""

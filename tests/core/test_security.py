@@ -16,8 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.train import TrainConfig
 from sciproto import pb
 from sciproto.auth import (
     METHOD_ROLES,
@@ -335,6 +337,18 @@ def test_auth_setup_errors_say_what_to_fix(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ConfigError, match="both"):
         load_config(AuthConfig, None, [f"file={tmp_path / 'auth.yaml'}", "health_open=false"])
     assert AuthConfig().load() is None
+
+
+def test_a_config_naming_an_auth_file_saves_and_loads_again(tmp_path: Path) -> None:
+    """`sciproto train` saves its resolved config for its child servers; an auth file must survive."""
+    path = tmp_path / "auth.yaml"
+    config = load_config(TrainConfig, None, [f"env.auth.file={path}", f"learner.auth.file={path}"])
+    saved = yaml.safe_dump(config.model_dump(mode="json"))
+    again = TrainConfig.model_validate(yaml.safe_load(saved))
+    assert again.env.auth.file == again.learner.auth.file == path
+    assert yaml.safe_load(saved)["env"]["auth"] == {"file": str(path)}
+    inline = AuthConfig(tokens=[TokenEntry(principal="a", roles=[AuthRole.AGENT], token_env="T")], health_open=False)
+    assert AuthConfig.model_validate(inline.model_dump(mode="json")) == inline
 
 
 def test_closed_health_needs_an_observer_token(monkeypatch: pytest.MonkeyPatch) -> None:
