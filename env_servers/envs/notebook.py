@@ -19,7 +19,7 @@ from aviary.envs.notebook.utils import nbformat_run_notebook
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
 from jupyter_client.manager import AsyncKernelManager
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from env_servers.envs.source import (
     EnvironmentSource,
@@ -76,27 +76,28 @@ KERNEL_READY_TIMEOUT_S = 60.0
 
 
 class LocalKernelState(NBEnvironmentState):
-    """A local kernel and one client for it, ready (shell and IOPub connected) before the first cell."""
-
-    _kernel_client: AsyncKernelClient = PrivateAttr()
+    """A local kernel, up and answering before Reset returns."""
 
     async def start_kernel(self) -> None:
         # Aviary asks for a kernelspec named "python", but ipykernel installs itself as
         # "python3" (jupyter_client's native kernel), so we start that one.
         self._kernel_manager = AsyncKernelManager(kernel_name=NATIVE_KERNEL_NAME)
         await self._kernel_manager.start_kernel(cwd=str(self.work_dir))
-        # Aviary opens a new client per step and executes at once; its IOPub subscription can
-        # reach the kernel after the cell's output and idle status were published (ZeroMQ's
-        # late joiner), and the step then waits out the whole cell timeout. One client, made
-        # ready once (wait_for_ready checks that IOPub receives), serves every step.
-        self._kernel_client = self._kernel_manager.client()
-        self._kernel_client.start_channels()
-        await self._kernel_client.wait_for_ready(timeout=KERNEL_READY_TIMEOUT_S)
+        (await self.ready_client()).stop_channels()
 
-    async def close(self) -> None:
-        if hasattr(self, "_kernel_client"):
-            self._kernel_client.stop_channels()
-        await super().close()
+    async def ready_client(self) -> AsyncKernelClient:
+        """A new client whose shell and IOPub channels are connected. A client that executes
+        at once can miss the cell's output and idle status: its IOPub subscription may reach
+        the kernel after they were published (ZeroMQ's late joiner), and the step then waits
+        out the whole cell timeout. wait_for_ready returns once IOPub has received."""
+        client = self._kernel_manager.client()
+        client.start_channels()
+        try:
+            await client.wait_for_ready(timeout=KERNEL_READY_TIMEOUT_S)
+        except BaseException:
+            client.stop_channels()
+            raise
+        return client
 
 
 class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
@@ -121,11 +122,12 @@ class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
         return [Message(content=self.task.prompt()), *notebook_observations], self.tools
 
     async def _run_notebook_local(self, cell_idx: int | None = None) -> str:
-        """Aviary's local run, on the episode's ready kernel client instead of a new one per step."""
+        """Aviary's local run, on a client made ready before the cell is sent (see
+        `LocalKernelState.ready_client`); Aviary's helper stops the client's channels when done."""
         try:
             async with asyncio.timeout(self.cell_execution_timeout):
-                await nbformat_run_notebook(cells=self.state.cells, client=self.state._kernel_client,
-                                            cell_idx=cell_idx)
+                client = await self.state.ready_client()
+                await nbformat_run_notebook(cells=self.state.cells, client=client, cell_idx=cell_idx)
         except TimeoutError as error:
             raise TimeoutError(f"Notebook execution timed out after {self.cell_execution_timeout} seconds") from error
         self.state.save_nb()

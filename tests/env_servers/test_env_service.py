@@ -141,8 +141,9 @@ async def test_steps_on_one_episode_are_serialized_and_heartbeats_flow(env_serve
     async with EnvClient(env_server.target) as client, client.session() as session:
         reset = await session.reset("notebook", split="test", index=1)
         first, second = await asyncio.gather(
-            session.step(reset.episode_id, edit_cell("import time\ntime.sleep(0.8)\nprint('first cell ran')")),
-            session.step(reset.episode_id, edit_cell("print('second cell ran')")),
+            # Printed words joined by print: the outputs, not the sources, contain "first cell ran".
+            session.step(reset.episode_id, edit_cell("import time\ntime.sleep(0.8)\nprint('first', 'cell', 'ran')")),
+            session.step(reset.episode_id, edit_cell("print('second', 'cell', 'ran')")),
         )
         heartbeat = session.last_heartbeat
     assert (first.step_count, second.step_count) == (1, 2)
