@@ -28,6 +28,9 @@ class GRPOConfig(BaseModel):
     is_correction: Literal["truncate", "mask", "off"] = "truncate"
     # Groups whose oldest trained token is more than this many versions old are dropped.
     max_staleness: int = Field(default=1, ge=0)
+    # A prefix shared by every sequence of a micro-batch (the group's prompt) runs once when it
+    # is at least this many tokens long; 0 runs every sequence in full. See learner/prefix.py.
+    shared_prefix_min_tokens: int = Field(default=16, ge=0)
     # Upper bound of (sequences x padded length) in one forward/backward pass.
     micro_batch_tokens: int = Field(default=4096, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)

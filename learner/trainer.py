@@ -21,8 +21,8 @@ from learner.grpo import (
     pad_right,
     prepare_batch,
     split_micro_batches,
-    token_logprobs_and_entropy,
 )
+from learner.prefix import sequence_logprobs_and_entropy
 from learner.types import RolloutGroup
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
@@ -59,11 +59,6 @@ class StepMetrics(BaseModel):
     reward_std: float = 0.0
     reward_min: float = 0.0
     reward_max: float = 0.0
-
-
-def _logits(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    return output.logits if hasattr(output, "logits") else output
 
 
 def _reward_stats(rewards: list[float]) -> dict[str, float]:
@@ -155,9 +150,7 @@ class GRPOTrainer:
         is_weight_max = torch.zeros((), dtype=torch.float64)
         for sequences in micro_batches:
             batch = pad_right(sequences, self.pad_token_id).to(self.device)
-            logprobs, entropy = token_logprobs_and_entropy(
-                _logits(self.model, batch), batch.input_ids
-            )
+            logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, config.shared_prefix_min_tokens)
             # One optimizer step per batch: pi_old is the current policy, so rho = 1 at this step
             # while the gradient still flows through pi_theta.
             old_logprobs = logprobs.detach()
@@ -223,8 +216,8 @@ class GRPOTrainer:
         if self.reference_model is None:
             return None
         with torch.no_grad():
-            logprobs, _ = token_logprobs_and_entropy(
-                _logits(self.reference_model, batch), batch.input_ids
+            logprobs, _ = sequence_logprobs_and_entropy(
+                self.reference_model, batch, self.config.shared_prefix_min_tokens
             )
         return logprobs
 

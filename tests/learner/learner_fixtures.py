@@ -76,3 +76,17 @@ def make_group(
             for i, (r, status) in enumerate(zip(rewards, statuses))
         ],
     )
+
+
+def with_shared_prompt(group: RolloutGroup, prompt: list[int]) -> RolloutGroup:
+    """The group's samples, each starting with `prompt` (untrained) before its own tokens."""
+    samples = [
+        sample.model_copy(update={
+            "token_ids": prompt + sample.token_ids,
+            "loss_mask": [0] * len(prompt) + sample.loss_mask,
+            "rollout_logprobs": [0.0] * len(prompt) + sample.rollout_logprobs,
+            "policy_versions": [-1] * len(prompt) + sample.policy_versions,
+        })
+        for sample in group.samples
+    ]
+    return group.model_copy(update={"samples": samples})

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_fixtures import make_group, tiny_model
+from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
 
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import GRPOConfig
@@ -16,15 +16,18 @@ from learner.distributed import broadcast_groups, current_context
 from learner.trainer import GRPOTrainer
 
 WORLD_SIZE = 2
-CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40)
+CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40, shared_prefix_min_tokens=4)
 
 
 def _batches() -> list:
     rng = random.Random(3)
     # Five groups of uneven sizes: the ranks get different numbers of sequences and micro-batches.
+    # The second batch's groups share 6-token prompts: its micro-batches run them once.
+    prompt = [rng.randrange(VOCAB) for _ in range(6)]
     return [
-        [make_group(rng, [1.0, 0.0, 0.25][: 2 + g % 2], group_id=f"{s}-{g}") for g in range(5)]
-        for s in range(2)
+        [make_group(rng, [1.0, 0.0, 0.25][: 2 + g % 2], group_id=f"0-{g}") for g in range(5)],
+        [with_shared_prompt(make_group(rng, [1.0, 0.0, 0.25][: 2 + g % 2], group_id=f"1-{g}"), prompt)
+         for g in range(5)],
     ]
 
 

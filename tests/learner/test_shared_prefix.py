@@ -1,0 +1,64 @@
+"""The shared-prefix forward: same logits, loss and gradient as running every sequence in full."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
+
+from learner.config import GRPOConfig
+from learner.grpo import TrainSequence, pad_right
+from learner.prefix import sequence_logprobs_and_entropy, shared_prefix_length
+from learner.trainer import GRPOTrainer
+from learner.types import RolloutGroup
+
+
+def sequence(ids: list[int]) -> TrainSequence:
+    return TrainSequence(token_ids=torch.tensor(ids), loss_mask=torch.ones(len(ids)),
+                         rollout_logprobs=torch.zeros(len(ids)), advantage=0.0)
+
+
+def test_shared_prefix_length() -> None:
+    assert shared_prefix_length(pad_right([sequence([1, 2, 3, 4]), sequence([1, 2, 9, 4, 5])])) == 2
+    # Bounded by the shortest row, and one position is always left to run batched.
+    assert shared_prefix_length(pad_right([sequence([1, 2, 3]), sequence([1, 2, 3, 4, 5])])) == 3
+    assert shared_prefix_length(pad_right([sequence([1, 2, 3]), sequence([1, 2, 3])])) == 2
+    assert shared_prefix_length(pad_right([sequence([7, 2, 3]), sequence([1, 2, 3])])) == 0
+    assert shared_prefix_length(pad_right([sequence([1, 2, 3])])) == 0
+
+
+@pytest.fixture
+def prompted_groups(rng: random.Random) -> list[RolloutGroup]:
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    return [with_shared_prompt(make_group(rng, [1.0, 0.0, 0.5, 0.0, 0.25], group_id=name), prompt)
+            for name in ("a", "b")]
+
+
+def test_logprobs_and_entropy_match_the_full_forward(prompted_groups: list[RolloutGroup]) -> None:
+    model = tiny_model()
+    batch = pad_right([sequence(s.token_ids) for group in prompted_groups for s in group.samples])
+    assert shared_prefix_length(batch) == 40
+    with torch.no_grad():
+        full = sequence_logprobs_and_entropy(model, batch, min_shared_prefix=0)
+        shared = sequence_logprobs_and_entropy(model, batch, min_shared_prefix=16)
+    predicted = batch.attention_mask[:, 1:].bool()  # positions whose next token is not padding
+    for name, full_values, shared_values in zip(("logprobs", "entropy"), full, shared, strict=True):
+        assert shared_values.shape == full_values.shape, name
+        torch.testing.assert_close(shared_values[predicted], full_values[predicted], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_a_training_step_has_the_same_loss_and_gradient(prompted_groups: list[RolloutGroup], kl_coef: float) -> None:
+    trainers = {
+        minimum: GRPOTrainer(tiny_model(), GRPOConfig(shared_prefix_min_tokens=minimum, kl_coef=kl_coef))
+        for minimum in (0, 16)
+    }
+    metrics = {minimum: trainer.train_step(prompted_groups) for minimum, trainer in trainers.items()}
+    assert metrics[16].loss == pytest.approx(metrics[0].loss, rel=1e-5, abs=1e-7)
+    assert metrics[16].grad_norm == pytest.approx(metrics[0].grad_norm, rel=1e-4)
+    full_grads = dict(trainers[0].model.named_parameters())
+    for name, parameter in trainers[16].model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(parameter.grad, full_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
