@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
@@ -52,7 +50,7 @@ from sciproto.errors import (
 )
 from sciproto.interceptors import AroundInterceptor
 from sciproto.limits import EpisodeClaim, LiveEpisodeQuota, PrincipalLimits, TokenBucket, bucket_for
-from sciproto.tokens import read_token
+from sciproto.token_store import TokenSource, TokenStore
 
 log = logging.getLogger("sciproto.auth")
 
@@ -120,7 +118,8 @@ class TokenEntry(BaseModel):
 
     principal: str = Field(..., min_length=1, description="Name used in logs, limits and errors")
     roles: list[AuthRole] = Field(..., min_length=1)
-    token_file: Path | None = Field(None, description="File holding the token (one line)")
+    token_file: Path | None = Field(None, description="File holding the token, or several, one per line "
+                                    "(during a rotation); re-read when it changes")
     token_env: str | None = Field(None, description="Environment variable holding the token")
     limits: PrincipalLimits = Field(default_factory=PrincipalLimits, description="Unset fields come from default_limits")
 
@@ -147,6 +146,8 @@ class AuthSettings(BaseModel):
     tokens: list[TokenEntry] = Field(default_factory=list)
     health_open: bool = Field(True, description="Health checks need no token (load balancers probe them)")
     default_limits: PrincipalLimits = Field(default_factory=PrincipalLimits, description="Limits of tokens that set none")
+    token_file_check_s: float = Field(1.0, gt=0, description="How often token files are checked for changes "
+                                      "(rotation and revocation take effect without a restart)")
 
     @field_validator("tokens")
     @classmethod
@@ -188,7 +189,7 @@ class AuthConfig(AuthSettings):
     def settings(self) -> AuthSettings:
         """The settings in force: the file's, or the inline ones."""
         if self.file is None:
-            return AuthSettings(tokens=self.tokens, health_open=self.health_open, default_limits=self.default_limits)
+            return AuthSettings(**{name: getattr(self, name) for name in AuthSettings.model_fields})
         return load_auth_file(self.file)
 
     def load(self) -> Authenticator | None:
@@ -237,12 +238,6 @@ class Principal:
         return self.episodes.claim(retry_after_s)
 
 
-def _digest(token: str) -> bytes:
-    # Comparing fixed-length digests keeps compare_digest's time independent
-    # of the presented token's length as well as its content.
-    return hashlib.sha256(token.encode()).digest()
-
-
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     """The token of an `authorization: Bearer <token>` header, if any."""
     for key, value in metadata or ():
@@ -258,20 +253,17 @@ class Authenticator:
 
     def __init__(self, settings: AuthSettings) -> None:
         self.health_open = settings.health_open
-        self._tokens: list[tuple[bytes, Principal]] = []
+        sources = []
         for entry in settings.tokens:
-            token = read_token(entry.token_file, entry.token_env, f"auth token of principal {entry.principal!r}")
             limits = entry.limits.over(settings.default_limits)
             principal = Principal(entry.principal, frozenset(entry.roles), limits, bucket_for(limits),
                                   LiveEpisodeQuota(entry.principal, limits.max_live_episodes))
-            if any(hmac.compare_digest(digest, _digest(token)) for digest, _ in self._tokens):
-                raise ConfigError(f"auth: principal {entry.principal!r} shares its token with another "
-                                  "principal; give each principal its own token")
-            self._tokens.append((_digest(token), principal))
+            sources.append(TokenSource(principal, entry.principal, entry.token_file, entry.token_env))
+        self._tokens = TokenStore(sources, settings.token_file_check_s)
 
     @property
     def principals(self) -> list[Principal]:
-        return [principal for _, principal in self._tokens]
+        return self._tokens.owners()
 
     def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
         """The principal whose token the call carries, or UNAUTHENTICATED."""
@@ -282,11 +274,7 @@ class Authenticator:
                 "(ChannelConfig token / token_file / token_env, or `sciproto describe --token`)",
                 Reason.UNAUTHENTICATED, metadata={"cause": "missing_token"},
             )
-        presented = _digest(token)
-        found: Principal | None = None
-        for digest, principal in self._tokens:  # no early exit: every call does the same work
-            if hmac.compare_digest(digest, presented):
-                found = principal
+        found = self._tokens.lookup(token)
         if found is None:
             raise Unauthenticated("the bearer token is not one this server accepts: check which token "
                                   "the server's auth file lists for you", Reason.UNAUTHENTICATED,

@@ -18,7 +18,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sciproto.tls import read_pem
-from sciproto.tokens import read_token
+from sciproto.token_store import ClientToken
 
 MiB = 1024 * 1024
 
@@ -69,11 +69,12 @@ class ChannelConfig(BaseModel):
             raise ValueError(f"give at most one of token, token_file, token_env (got {', '.join(given)})")
         return self
 
-    def bearer_token(self) -> str | None:
-        """The token to send, read now from its source; None: send none."""
+    def bearer_token(self) -> Callable[[], str | None]:
+        """What gives the token to send on each call (None: send none). A token file is read now
+        (a missing or invalid one fails here) and again whenever it changes."""
         if self.token_file is None and self.token_env is None:
-            return self.token
-        return read_token(self.token_file, self.token_env, f"channel to {self.target}")
+            return lambda: self.token
+        return ClientToken(self.token_file, self.token_env, f"channel to {self.target}").current
 
     def service_config(self) -> str:
         retry = {
@@ -104,12 +105,14 @@ class _Defaults:
     """Adds the bearer token to every call, and the default deadline to calls
     with a single request (long-lived client streams set their own)."""
 
-    def __init__(self, timeout_s: float, token: str | None) -> None:
+    def __init__(self, timeout_s: float, token: Callable[[], str | None]) -> None:
         self.timeout_s = timeout_s
-        self.auth = (("authorization", f"Bearer {token}"),) if token else ()
+        self.token = token
 
     def details(self, details: grpc.aio.ClientCallDetails, default_timeout: bool) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.auth)
+        token = self.token()
+        auth = (("authorization", f"Bearer {token}"),) if token else ()
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *auth)
         timeout = details.timeout if details.timeout is not None or not default_timeout else self.timeout_s
         return grpc.aio.ClientCallDetails(details.method, timeout, metadata, details.credentials, details.wait_for_ready)
 

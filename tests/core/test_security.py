@@ -246,6 +246,64 @@ async def test_health_is_open_but_reflection_needs_a_token(secured: Secured, pki
         assert pb.ENV_SERVICE in await list_services(channel, timeout_s=10)
 
 
+async def test_token_files_are_re_read_so_tokens_rotate_and_revoke_without_a_restart(pki: Pki, tmp_path: Path) -> None:
+    old, new, newest = (secrets.token_urlsafe(32) for _ in range(3))
+    server_file, client_file = tmp_path / "watcher.token", tmp_path / "client.token"
+    server_file.write_text(old + "\n")
+    (tmp_path / "auth.yaml").write_text(
+        "token_file_check_s: 0.05\ntokens:\n  - {principal: watcher, roles: [observer], token_file: watcher.token}\n")
+    log = tmp_path / "server.log"
+    server = start_probe(f"server.tls.cert={pki.server.cert}", f"server.tls.key={pki.server.key}",
+                         f"auth.file={tmp_path / 'auth.yaml'}", log_file=log)
+
+    async def accepted(token: str) -> bool:
+        async with tls_channel(server.target, pki.ca, token) as channel:
+            try:
+                await health(channel)  # health is open: Describe needs the token
+                await pb.env_grpc.EnvironmentServiceStub(channel).Describe(pb.env_pb2.EnvironmentServiceDescribeRequest())
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+                return False
+            return True
+
+    async def settles(token: str, expected: bool) -> None:
+        deadline = time.monotonic() + 10
+        while await accepted(token) != expected:
+            assert time.monotonic() < deadline, f"token still {'refused' if expected else 'accepted'} after 10 s"
+            await asyncio.sleep(0.05)
+
+    try:
+        assert await accepted(old) and not await accepted(new)
+        server_file.write_text(f"# rotating\n{old}\n{new}\n")  # both valid while clients move over
+        await settles(new, True)
+        assert await accepted(old)
+        server_file.write_text(new + "\n")  # the old token is revoked
+        await settles(old, False)
+        assert await accepted(new)
+        server_file.write_text("too-short\n")  # an invalid file refuses its principal (fail closed)
+        await settles(new, False)
+        assert "is refused until its token file is fixed" in log.read_text()
+
+        # A client channel with a token_file sends the file's current token.
+        server_file.write_text(f"{new}\n")
+        client_file.write_text(new + "\n")
+        config = ChannelConfig(target=server.target, tls=TlsClientConfig(ca_cert=pki.ca.cert), token_file=client_file,
+                               max_attempts=1, default_timeout_s=10)
+        async with make_channel(config) as channel:
+            stub = pb.env_grpc.EnvironmentServiceStub(channel)
+            await settles(new, True)
+            await stub.Describe(pb.env_pb2.EnvironmentServiceDescribeRequest())
+            server_file.write_text(f"{newest}\n")
+            client_file.write_text(newest + "\n")
+            await settles(newest, True)
+            await asyncio.sleep(1.1)  # the client checks its file at most once a second
+            await stub.Describe(pb.env_pb2.EnvironmentServiceDescribeRequest())
+        assert server.alive()
+        assert old not in log.read_text() and new not in log.read_text()  # tokens are never logged
+    finally:
+        server.stop()
+
+
 # --- limits ------------------------------------------------------------------
 
 
@@ -385,7 +443,7 @@ def test_token_bucket_refills_at_its_rate() -> None:
 def test_channel_reads_its_token_from_a_file(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
     (tmp_path / "t").write_text(token + "\n")
-    assert ChannelConfig(target="x:1", token_file=tmp_path / "t").bearer_token() == token
+    assert ChannelConfig(target="x:1", token_file=tmp_path / "t").bearer_token()() == token
     with pytest.raises(ValueError, match="at most one of token"):
         ChannelConfig(target="x:1", token=token, token_file=tmp_path / "t")
 
