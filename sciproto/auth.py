@@ -112,7 +112,8 @@ def roles_for_service(service: str) -> list[str]:
 
 
 class TokenEntry(BaseModel):
-    """One token: who it belongs to, where to read it, what it may do."""
+    """One principal's credential (a bearer token from a file or an environment variable, or a
+    client certificate), its roles and its limits."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -121,6 +122,9 @@ class TokenEntry(BaseModel):
     token_file: Path | None = Field(None, description="File holding the token, or several, one per line "
                                     "(during a rotation); re-read when it changes")
     token_env: str | None = Field(None, description="Environment variable holding the token")
+    client_cert_name: str | None = Field(
+        None, min_length=1, description="Common name or DNS name of a client certificate, verified against "
+        "server.tls.client_ca under mutual TLS, that identifies this principal when the call carries no token")
     limits: PrincipalLimits = Field(default_factory=PrincipalLimits, description="Unset fields come from default_limits")
 
     @model_validator(mode="before")
@@ -133,8 +137,10 @@ class TokenEntry(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> TokenEntry:
-        if (self.token_file is None) == (self.token_env is None):
-            raise ValueError(f"token of {self.principal!r}: give exactly one of token_file or token_env")
+        given = [name for name in ("token_file", "token_env", "client_cert_name") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"credential of {self.principal!r}: give exactly one of token_file, token_env or "
+                             f"client_cert_name (got {', '.join(given) or 'none'})")
         return self
 
 
@@ -254,21 +260,43 @@ class Authenticator:
     def __init__(self, settings: AuthSettings) -> None:
         self.health_open = settings.health_open
         sources = []
+        self._by_certificate: dict[str, Principal] = {}
         for entry in settings.tokens:
             limits = entry.limits.over(settings.default_limits)
             principal = Principal(entry.principal, frozenset(entry.roles), limits, bucket_for(limits),
                                   LiveEpisodeQuota(entry.principal, limits.max_live_episodes))
-            sources.append(TokenSource(principal, entry.principal, entry.token_file, entry.token_env))
+            if entry.client_cert_name is not None:
+                if entry.client_cert_name in self._by_certificate:
+                    raise ConfigError(f"auth: client_cert_name {entry.client_cert_name!r} is given to two "
+                                      "principals; give each its own certificate")
+                self._by_certificate[entry.client_cert_name] = principal
+            else:
+                sources.append(TokenSource(principal, entry.principal, entry.token_file, entry.token_env))
         self._tokens = TokenStore(sources, settings.token_file_check_s)
 
     @property
     def principals(self) -> list[Principal]:
-        return self._tokens.owners()
+        return [*self._tokens.owners(), *self._by_certificate.values()]
 
-    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
-        """The principal whose token the call carries, or UNAUTHENTICATED."""
+    @property
+    def needs_client_certificates(self) -> bool:
+        """Some principals are known by their client certificate (only mutual TLS verifies one)."""
+        return bool(self._by_certificate)
+
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None,
+                 certificate_names: Sequence[str] = ()) -> Principal:
+        """The principal whose token the call carries; without a token, the one its verified client
+        certificate names; otherwise UNAUTHENTICATED."""
         token = bearer_token(metadata)
         if token is None:
+            for name in certificate_names:
+                if name in self._by_certificate:
+                    return self._by_certificate[name]
+            if certificate_names and self._by_certificate:
+                raise Unauthenticated(
+                    f"the client certificate ({', '.join(certificate_names)}) is not one this server's auth file "
+                    "names (client_cert_name), and the call carries no bearer token",
+                    Reason.UNAUTHENTICATED, metadata={"cause": "unknown_certificate"})
             raise Unauthenticated(
                 "this server requires a bearer token: send metadata `authorization: Bearer <token>` "
                 "(ChannelConfig token / token_file / token_env, or `sciproto describe --token`)",
@@ -281,13 +309,14 @@ class Authenticator:
                                   metadata={"cause": "unknown_token"})
         return found
 
-    def authorize(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal | None:
+    def authorize(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None,
+                  certificate_names: Sequence[str] = ()) -> Principal | None:
         """The caller's principal if it may call `method` now; None for an
         open health check; otherwise raises UNAUTHENTICATED,
         PERMISSION_DENIED or RESOURCE_EXHAUSTED (RATE_LIMITED)."""
         if self.health_open and method in HEALTH_METHODS:
             return None
-        principal = self.identify(metadata)
+        principal = self.identify(metadata, certificate_names)
         role = METHOD_ROLES.get(method)
         if role is None:
             raise PermissionDenied(f"{method} is not in sciproto.auth.METHOD_ROLES, so no token may call it",
@@ -335,6 +364,14 @@ def claim_episode(retry_after_s: float = 1.0) -> EpisodeClaim:
     return principal.claim_episode(retry_after_s) if principal is not None else EpisodeClaim(None)
 
 
+def verified_certificate_names(context: grpc.aio.ServicerContext) -> list[str]:
+    """Common name and subject alternative names of the caller's client certificate. gRPC fills
+    them in only for a certificate it verified (mutual TLS against server.tls.client_ca)."""
+    properties = context.auth_context()
+    return [value.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in properties.get(key, [])]
+
+
 class AuthInterceptor(AroundInterceptor):
     """Refuses a call before its handler runs unless its token holds the
     method's role and its principal is within its rate."""
@@ -345,7 +382,8 @@ class AuthInterceptor(AroundInterceptor):
     @contextlib.asynccontextmanager
     async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         try:
-            principal = self.authenticator.authorize(method, context.invocation_metadata())
+            principal = self.authenticator.authorize(method, context.invocation_metadata(),
+                                                     verified_certificate_names(context))
         except SciprotoError as error:
             who = error.metadata.get("principal", "an unauthenticated caller")
             log.info("refused %s from %s (%s): %s", method, who, context.peer(), error.reason)

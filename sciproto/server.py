@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, Field, model_validator
 
 from sciproto.auth import AuthConfig, Authenticator, AuthInterceptor, roles_for_service
+from sciproto.config import ConfigError
 from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
 from sciproto.pb import common_pb2
 from sciproto.tls import TlsServerConfig, is_loopback
@@ -132,6 +133,10 @@ async def start_server(
     refused call.
     """
     authenticator = auth.load() if isinstance(auth, AuthConfig) else auth
+    if authenticator is not None and authenticator.needs_client_certificates and not (
+            config.tls is not None and config.tls.require_client_cert):
+        raise ConfigError("the auth settings name principals by client certificate (client_cert_name), which only "
+                          "mutual TLS verifies: set server.tls.client_ca and server.tls.require_client_cert: true")
     if credentials is None and config.tls is not None:
         credentials = config.tls.credentials()
     security = [AuthInterceptor(authenticator)] if authenticator is not None else []

@@ -193,6 +193,45 @@ async def test_mutual_tls_refuses_other_clients(mutual: ServerProcess, pki: Pki,
     assert mutual.alive()
 
 
+@pytest.fixture(scope="module")
+def mutual_with_principals(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Mutual TLS where the certificate named "client" is principal lab-b, and a token principal too."""
+    directory = tmp_path_factory.mktemp("cert-auth")
+    (directory / "watcher.token").write_text(secrets.token_urlsafe(32) + "\n")
+    (directory / "auth.yaml").write_text("""
+tokens:
+  - {principal: lab-b, roles: [agent, observer], client_cert_name: client}
+  - {principal: watcher, roles: [observer], token_file: watcher.token}
+""")
+    server = start_probe(f"server.tls.cert={pki.server.cert}", f"server.tls.key={pki.server.key}",
+                         f"server.tls.client_ca={pki.ca.cert}", "server.tls.require_client_cert=true",
+                         f"auth.file={directory / 'auth.yaml'}")
+    yield server
+    server.stop()
+
+
+async def test_a_client_certificate_named_in_the_auth_file_is_its_principal(
+    mutual_with_principals: ServerProcess, pki: Pki, tmp_path: Path,
+) -> None:
+    async with tls_channel(mutual_with_principals.target, pki.ca, client=pki.client) as channel:
+        answer = await step(channel, "whoami")  # no token: the certificate says who calls
+    assert answer.info["principal"] == "lab-b"
+    unlisted = issue(pki.ca, tmp_path, "unlisted-client", client=True)  # valid, but named nowhere
+    async with tls_channel(mutual_with_principals.target, pki.ca, client=unlisted) as channel:
+        refused = await refusal(step(channel, "whoami"))
+    assert isinstance(refused, Unauthenticated) and "unlisted-client" in refused.message
+    assert mutual_with_principals.alive()
+
+
+def test_certificate_principals_need_mutual_tls(pki: Pki, tmp_path: Path) -> None:
+    (tmp_path / "auth.yaml").write_text("tokens:\n  - {principal: lab-b, roles: [agent], client_cert_name: client}\n")
+    with pytest.raises(ServerStartError, match="require_client_cert"):
+        start_probe(f"server.tls.cert={pki.server.cert}", f"server.tls.key={pki.server.key}",
+                    f"auth.file={tmp_path / 'auth.yaml'}")
+    with pytest.raises(ConfigError, match="exactly one of token_file, token_env or client_cert_name"):
+        load_config(AuthConfig, None, ["tokens=[{principal: a, roles: [agent], client_cert_name: c, token_env: T}]"])
+
+
 def test_plaintext_on_a_remote_interface_needs_explicit_consent() -> None:
     with pytest.raises(ServerStartError, match="allow_insecure_remote"):
         start_probe("server.host=0.0.0.0")
@@ -377,7 +416,7 @@ def test_every_sciproto_rpc_has_a_role() -> None:
 def test_tokens_cannot_be_written_in_the_config() -> None:
     with pytest.raises(ConfigError, match="token_file"):
         load_config(AuthConfig, None, ["tokens=[{principal: a, roles: [agent], token: s3cret-s3cret-s3cret}]"])
-    with pytest.raises(ConfigError, match="exactly one of token_file or token_env"):
+    with pytest.raises(ConfigError, match="exactly one of token_file, token_env or client_cert_name \\(got none\\)"):
         load_config(AuthConfig, None, ["tokens=[{principal: a, roles: [agent]}]"])
 
 
