@@ -31,7 +31,8 @@ class GRPOConfig(BaseModel):
     # A prefix shared by every sequence of a micro-batch (the group's prompt) runs once when it
     # is at least this many tokens long; 0 runs every sequence in full. See learner/prefix.py.
     shared_prefix_min_tokens: int = Field(default=16, ge=0)
-    # Upper bound of (sequences x padded length) in one forward/backward pass.
+    # Upper bound of token positions in one forward/backward pass: sequences x padded length, with
+    # a shared prefix (above) counted once.
     micro_batch_tokens: int = Field(default=4096, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     # Reference KL penalty (k3 estimator); 0 keeps no reference model.

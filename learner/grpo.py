@@ -145,23 +145,36 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
     )
 
 
-def split_micro_batches(
-    sequences: Sequence[TrainSequence], micro_batch_tokens: int
-) -> list[list[TrainSequence]]:
-    """Greedy packing in order: each micro-batch keeps (count x longest length) <= the budget.
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of leading tokens two sequences share."""
+    n = min(a.numel(), b.numel())
+    differs = (a[:n] != b[:n]).nonzero()
+    return int(differs[0]) if differs.numel() else n
 
+
+def split_micro_batches(
+    sequences: Sequence[TrainSequence], micro_batch_tokens: int, min_shared_prefix: int = 0
+) -> list[list[TrainSequence]]:
+    """Greedy packing in order: each micro-batch keeps its token positions within the budget.
+
+    Positions of B sequences padded to length T that share a prefix of P tokens, counted when
+    P >= min_shared_prefix > 0 (learner/prefix.py runs it once):  P + B (T - P);  otherwise B T.
     A sequence longer than the budget gets a micro-batch of its own.
     """
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
-    longest = 0
+    longest = shared = 0
     for seq in sequences:
-        new_longest = max(longest, seq.length)
-        if current and new_longest * (len(current) + 1) > micro_batch_tokens:
+        if current:
+            new_longest = max(longest, seq.length)
+            new_shared = common_prefix_length(current[0].token_ids[:shared], seq.token_ids)
+            counted = new_shared if 0 < min_shared_prefix <= new_shared else 0
+            if counted + (len(current) + 1) * (new_longest - counted) <= micro_batch_tokens:
+                current.append(seq)
+                longest, shared = new_longest, new_shared
+                continue
             batches.append(current)
-            current, new_longest = [], seq.length
-        current.append(seq)
-        longest = new_longest
+        current, longest, shared = [seq], seq.length, seq.length
     if current:
         batches.append(current)
     return batches

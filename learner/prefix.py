@@ -48,15 +48,23 @@ def _cache_argument(model_type: type[nn.Module]) -> str:
     return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
 
 
+def usable_shared_prefix(model: nn.Module, batch: MicroBatch, min_shared_prefix: int) -> int:
+    """The shared prefix length to run once: 0 unless it is at least `min_shared_prefix` tokens
+    (0: never) and the model is a transformers causal LM (the key/value cache is its API)."""
+    if min_shared_prefix <= 0 or not isinstance(model, PreTrainedModel):
+        return 0
+    shared = shared_prefix_length(batch)
+    return shared if shared >= min_shared_prefix else 0
+
+
 def sequence_logprobs_and_entropy(
-    model: nn.Module, batch: MicroBatch, min_shared_prefix: int
+    model: nn.Module, batch: MicroBatch, shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | y_<t) and the entropy for t >= 1, [B, T-1] each, as `token_logprobs_and_entropy`
-    of the full forward. The shared prefix runs once when it is at least `min_shared_prefix` tokens
-    long (0: never) and the model is a transformers causal LM (the key/value cache is its API)."""
+    of the full forward; the first `shared` tokens (0: none, see `usable_shared_prefix`), common to
+    every row, run once."""
     ids = batch.input_ids
-    shared = shared_prefix_length(batch) if min_shared_prefix > 0 and isinstance(model, PreTrainedModel) else 0
-    if shared == 0 or shared < min_shared_prefix:
+    if shared == 0:
         return token_logprobs_and_entropy(_logits_of(model(input_ids=ids, attention_mask=batch.attention_mask)), ids)
     rows = ids.shape[0]
     argument = _cache_argument(type(model))

@@ -22,7 +22,7 @@ from learner.grpo import (
     prepare_batch,
     split_micro_batches,
 )
-from learner.prefix import sequence_logprobs_and_entropy
+from learner.prefix import sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.types import RolloutGroup
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
@@ -140,7 +140,7 @@ class GRPOTrainer:
         # Data parallel: each rank takes every world_size-th sequence. All ranks must run the same
         # number of forward/backward passes (FSDP2 collectives), so short ranks pad with empty ones.
         local = plan.sequences[self.context.rank :: self.context.world_size]
-        micro_batches = split_micro_batches(local, config.micro_batch_tokens)
+        micro_batches = split_micro_batches(local, config.micro_batch_tokens, config.shared_prefix_min_tokens)
         count = all_reduce(torch.tensor(len(micro_batches)), dist.ReduceOp.MAX)
         micro_batches += [[self._empty_sequence()]] * (int(count) - len(micro_batches))
 
@@ -150,11 +150,12 @@ class GRPOTrainer:
         is_weight_max = torch.zeros((), dtype=torch.float64)
         for sequences in micro_batches:
             batch = pad_right(sequences, self.pad_token_id).to(self.device)
-            logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, config.shared_prefix_min_tokens)
+            shared = self._shared_prefix(batch)
+            logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
             # One optimizer step per batch: pi_old is the current policy, so rho = 1 at this step
             # while the gradient still flows through pi_theta.
             old_logprobs = logprobs.detach()
-            ref_logprobs = self._reference_logprobs(batch)
+            ref_logprobs = self._reference_logprobs(batch, shared)
             loss, stats = grpo_loss(
                 logprobs,
                 old_logprobs,
@@ -212,13 +213,19 @@ class GRPOTrainer:
             advantage=0.0,
         )
 
-    def _reference_logprobs(self, batch: MicroBatch) -> torch.Tensor | None:
+    def _shared_prefix(self, batch: MicroBatch) -> int:
+        """The prefix of this micro-batch to run once (0: none). Under FSDP2 every rank must make
+        the same number of forward calls, each gathering the weights, so a shared prefix is used
+        only when every rank's micro-batch at this index has one."""
+        shared = usable_shared_prefix(self.model, batch, self.config.shared_prefix_min_tokens)
+        everywhere = all_reduce(torch.tensor(int(shared > 0)), dist.ReduceOp.MIN)
+        return shared if int(everywhere) else 0
+
+    def _reference_logprobs(self, batch: MicroBatch, shared: int) -> torch.Tensor | None:
         if self.reference_model is None:
             return None
         with torch.no_grad():
-            logprobs, _ = sequence_logprobs_and_entropy(
-                self.reference_model, batch, self.config.shared_prefix_min_tokens
-            )
+            logprobs, _ = sequence_logprobs_and_entropy(self.reference_model, batch, shared)
         return logprobs
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:

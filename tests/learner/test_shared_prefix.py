@@ -9,8 +9,8 @@ import torch
 from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
 
 from learner.config import GRPOConfig
-from learner.grpo import TrainSequence, pad_right
-from learner.prefix import sequence_logprobs_and_entropy, shared_prefix_length
+from learner.grpo import TrainSequence, pad_right, split_micro_batches
+from learner.prefix import sequence_logprobs_and_entropy, shared_prefix_length, usable_shared_prefix
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup
 
@@ -41,8 +41,8 @@ def test_logprobs_and_entropy_match_the_full_forward(prompted_groups: list[Rollo
     batch = pad_right([sequence(s.token_ids) for group in prompted_groups for s in group.samples])
     assert shared_prefix_length(batch) == 40
     with torch.no_grad():
-        full = sequence_logprobs_and_entropy(model, batch, min_shared_prefix=0)
-        shared = sequence_logprobs_and_entropy(model, batch, min_shared_prefix=16)
+        full = sequence_logprobs_and_entropy(model, batch, shared=0)
+        shared = sequence_logprobs_and_entropy(model, batch, shared=usable_shared_prefix(model, batch, 16))
     predicted = batch.attention_mask[:, 1:].bool()  # positions whose next token is not padding
     for name, full_values, shared_values in zip(("logprobs", "entropy"), full, shared, strict=True):
         assert shared_values.shape == full_values.shape, name
@@ -62,3 +62,16 @@ def test_a_training_step_has_the_same_loss_and_gradient(prompted_groups: list[Ro
     for name, parameter in trainers[16].model.named_parameters():
         assert parameter.grad is not None, name
         torch.testing.assert_close(parameter.grad, full_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packing_counts_a_shared_prefix_once() -> None:
+    """Eight 720-token samples of one 600-token prompt: 600 + 8 x 120 = 1,560 positions fit one
+    micro-batch of 4,096; counted in full (8 x 720 = 5,760) they need two."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(VOCAB) for _ in range(600)]
+    group = [sequence(prompt + [rng.randrange(VOCAB) for _ in range(120)]) for _ in range(8)]
+    assert [len(b) for b in split_micro_batches(group, 4096, min_shared_prefix=16)] == [8]
+    assert [len(b) for b in split_micro_batches(group, 4096, min_shared_prefix=0)] == [5, 3]
+    # A sequence of another prompt ends the shared run: it is counted in full again.
+    other = sequence([rng.randrange(VOCAB) for _ in range(720)])
+    assert [len(b) for b in split_micro_batches([*group, other], 4096, min_shared_prefix=16)] == [8, 1]
