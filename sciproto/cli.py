@@ -11,7 +11,7 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -29,10 +29,10 @@ app = typer.Typer(help="sciproto: gRPC environments, policy and learner for RL o
 serve_app = typer.Typer(help="Run a server: env, policy or learner.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 
-ConfigOption = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file, or a name in configs/")]
-SetOption = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config key: key.path=value (repeatable)")]
-HostOption = Annotated[Optional[str], typer.Option(help="Interface to bind (default 127.0.0.1)")]
-AuthOption = Annotated[Optional[Path], typer.Option("--auth", help="YAML file mapping roles to token sources")]
+ConfigOption = Annotated[str | None, typer.Option("--config", "-c", help="YAML file, or a name in configs/")]
+SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: key.path=value (repeatable)")]
+HostOption = Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1)")]
+AuthOption = Annotated[Path | None, typer.Option("--auth", help="YAML file mapping roles to token sources")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -57,9 +57,9 @@ def _run_component(module: str, config: str | None, overrides: list[str]) -> Non
 @serve_app.command("env")
 def serve_env(
     config: ConfigOption = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", help="Environment to host (repeatable)")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="Environment to host (repeatable)")] = None,
     host: HostOption = None,
-    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
     verbose: bool = False,
@@ -75,10 +75,10 @@ def serve_env(
 @serve_app.command("policy")
 def serve_policy(
     config: ConfigOption = None,
-    model: Annotated[Optional[str], typer.Option(help="tiny, smollm2, or a local model directory")] = None,
-    backend: Annotated[Optional[str], typer.Option(help="transformers, vllm or openai")] = None,
+    model: Annotated[str | None, typer.Option(help="tiny, smollm2, or a local model directory")] = None,
+    backend: Annotated[str | None, typer.Option(help="transformers, vllm or openai")] = None,
     host: HostOption = None,
-    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['policy']}; 0 = any free)")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['policy']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
     verbose: bool = False,
@@ -95,7 +95,7 @@ def serve_policy(
 def serve_learner(
     config: ConfigOption = None,
     host: HostOption = None,
-    port: Annotated[Optional[int], typer.Option(help=f"Port (default {DEFAULT_PORTS['learner']}; 0 = any free)")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['learner']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
     verbose: bool = False,
@@ -109,8 +109,8 @@ def serve_learner(
 def describe(
     target: Annotated[str, typer.Argument(help="HOST:PORT of any sciproto server")],
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each call")] = 10.0,
-    token: Annotated[Optional[str], typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token")] = None,
-    ca_cert: Annotated[Optional[Path], typer.Option(help="PEM CA bundle: use TLS")] = None,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
 ) -> None:
     """Print a server's health, services and Describe as JSON."""
     from sciproto.channel import ChannelConfig, TlsClientConfig
@@ -134,7 +134,7 @@ def collect(
     policy: Annotated[list[str], typer.Option("--policy", help="Policy server HOST:PORT (repeatable: replicas)")],
     tasks: Annotated[str, typer.Option(help="ENV:SPLIT, e.g. gsm8k:test")],
     output: Annotated[Path, typer.Option(help="JSONL file of rollouts (appended; resumable)")],
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N tasks of the split")] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a group)")] = 1,
     concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
     config: ConfigOption = None,

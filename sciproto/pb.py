@@ -4,7 +4,7 @@
     env_pb2.ResetRequest(env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=0))
 """
 
-from sciproto._proto.sciproto.v1 import common_pb2 as common_pb2
+from sciproto._proto.sciproto.v1 import common_pb2
 from sciproto._proto.sciproto.v1 import environment_service_pb2 as env_pb2
 from sciproto._proto.sciproto.v1 import environment_service_pb2_grpc as env_grpc
 from sciproto._proto.sciproto.v1 import learner_service_pb2 as learner_pb2

@@ -18,7 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sciproto import pb
 from sciproto.channel import ChannelConfig, make_channel
 from sciproto.describe import list_services
-from sciproto.errors import DOMAIN, STATUS_DETAILS_KEY, InvalidArgument, NotFound, Reason, from_rpc_error
+from sciproto.errors import (
+    DOMAIN,
+    STATUS_DETAILS_KEY,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    from_rpc_error,
+)
 from sciproto.processes import ServerProcess, sciproto_command, start_command
 
 PROBE = Path(__file__).with_name("probe_server.py")
@@ -50,7 +57,7 @@ async def test_health_and_reflection(probe: ServerProcess) -> None:
 
 
 def test_describe_command_prints_health_and_describe(probe: ServerProcess) -> None:
-    result = subprocess.run(sciproto_command("describe", probe.target), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(sciproto_command("describe", probe.target), check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     described = json.loads(result.stdout)
     assert described["health"] == "SERVING"

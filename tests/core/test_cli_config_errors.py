@@ -9,16 +9,16 @@ import pytest
 from pydantic import BaseModel
 
 from sciproto.config import ConfigError, load_config
-from sciproto.errors import ResourceExhausted, Reason, from_status, to_status
+from sciproto.errors import Reason, ResourceExhausted, from_status, to_status
 from sciproto.processes import sciproto_command
 
 
 def test_help_lists_every_subcommand() -> None:
-    result = subprocess.run(sciproto_command("--help"), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(sciproto_command("--help"), check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     for command in ("serve", "describe", "collect", "train", "view"):
         assert command in result.stdout
-    serve = subprocess.run(sciproto_command("serve", "--help"), capture_output=True, text=True, timeout=60)
+    serve = subprocess.run(sciproto_command("serve", "--help"), check=False, capture_output=True, text=True, timeout=60)
     for component in ("env", "policy", "learner"):
         assert component in serve.stdout
 
