@@ -168,7 +168,25 @@ def _checked_arguments(
             f"{call.name!r} takes arguments {sorted(expected)} (required: {sorted(required)});"
             f" unknown {sorted(unknown)}, missing {sorted(missing)}"
         )
+    for name, value in arguments.items():
+        problem = _shape_problem(call.name, name, value, parameters.properties[name])  # type: ignore[union-attr]
+        if problem is not None:
+            return {}, problem
     return arguments, None
+
+
+_SCALAR_TYPES = {"string", "number", "integer", "boolean"}
+
+
+def _shape_problem(tool: str, name: str, value: object, schema: Mapping[str, object]) -> str | None:
+    """Why `value` cannot stand for a scalar parameter: null, an object or a list where the schema
+    wants a string, number or boolean (a tool would raise on it, failing the episode as if the
+    environment broke). Numbers for strings and the reverse pass: LLMs mix them and tools cope."""
+    declared = schema.get("type")
+    types = {declared} if isinstance(declared, str) else set(declared) if isinstance(declared, list) else set()
+    if not types or not types <= _SCALAR_TYPES or not (value is None or isinstance(value, dict | list)):
+        return None
+    return f"argument {name!r} of {tool!r} must be a {' or '.join(sorted(types))}, got {json.dumps(value)}"
 
 
 def explain_invalid_calls(observations: list[Message], invalid_calls: Mapping[str, str]) -> None:

@@ -205,6 +205,8 @@ async def test_agent_mistakes_get_tool_messages_and_malformed_requests_get_error
             "malformed JSON": common_pb2.ToolCall(id="b", name="calculator", arguments='{"expr": "1+'),
             "not an object": common_pb2.ToolCall(id="c", name="calculator", arguments='["1+1"]'),
             "wrong argument": common_pb2.ToolCall(id="d", name="calculator", arguments='{"expression": "1"}'),
+            "null argument": common_pb2.ToolCall(id="e", name="submit_answer", arguments='{"answer": null}'),
+            "list argument": common_pb2.ToolCall(id="f", name="calculator", arguments='{"expr": ["1", "+", "1"]}'),
         }
         answers = {}
         for mistake, call in mistakes.items():
@@ -234,6 +236,8 @@ async def test_agent_mistakes_get_tool_messages_and_malformed_requests_get_error
     assert "calculator" in answers["unknown tool"].observations[0].content  # lists the real tools
     assert "not valid JSON" in answers["malformed JSON"].observations[0].content
     assert "expression" in answers["wrong argument"].observations[0].content
+    assert "'answer' of 'submit_answer' must be a string, got null" in answers["null argument"].observations[0].content
+    assert "must be a string" in answers["list argument"].observations[0].content
     assert wrong_role.value.reason == duplicate_ids.value.reason == Reason.INVALID_ACTION
     assert env_server.alive()
 
