@@ -382,8 +382,10 @@ class AuthInterceptor(AroundInterceptor):
     @contextlib.asynccontextmanager
     async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         try:
-            principal = self.authenticator.authorize(method, context.invocation_metadata(),
-                                                     verified_certificate_names(context))
+            # Certificate names only matter where principals are known by them; reading the
+            # auth context on every call of every other server would be work for nothing.
+            names = verified_certificate_names(context) if self.authenticator.needs_client_certificates else ()
+            principal = self.authenticator.authorize(method, context.invocation_metadata(), names)
         except SciprotoError as error:
             who = error.metadata.get("principal", "an unauthenticated caller")
             log.info("refused %s from %s (%s): %s", method, who, context.peer(), error.reason)

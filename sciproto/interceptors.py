@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -76,37 +76,31 @@ def wrap_handler(
     `read_before_refusing`)."""
     streams_requests = bool(handler.stream_unary or handler.stream_stream)
 
-    async def refuse(request: Any, error: SciprotoError) -> NoReturn:
-        if streams_requests:
-            await read_before_refusing(request)
-        raise error
+    @contextlib.asynccontextmanager
+    async def admitted(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """`around(method, context)`, reading a refused streaming client's requests first."""
+        entered = False
+        try:
+            async with around(method, context):
+                entered = True
+                yield
+        except SciprotoError:
+            if not entered and streams_requests:
+                await read_before_refusing(request)
+            raise
 
     def unary_response(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            admitted = False
-            try:
-                async with around(method, context):
-                    admitted = True
-                    return await behaviour(request, context)
-            except SciprotoError as error:
-                if admitted:
-                    raise
-                await refuse(request, error)
+            async with admitted(request, context):
+                return await behaviour(request, context)
 
         return call
 
     def stream_response(behaviour: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            admitted = False
-            try:
-                async with around(method, context):
-                    admitted = True
-                    async for response in behaviour(request, context):
-                        yield response
-            except SciprotoError as error:
-                if admitted:
-                    raise
-                await refuse(request, error)
+            async with admitted(request, context):
+                async for response in behaviour(request, context):
+                    yield response
 
         return call
 

@@ -39,6 +39,27 @@ def _stamp(path: Path) -> FileStamp | None:
     return status.st_mtime_ns, status.st_size, status.st_ino
 
 
+class FileWatch:
+    """Says when a file has changed (or appeared, or gone) since it was last looked at, looking
+    at most once every `check_interval_s`: one stat() per interval, none in between."""
+
+    def __init__(self, path: Path, check_interval_s: float) -> None:
+        self.path, self.check_interval_s = path, check_interval_s
+        self._stamp = _stamp(path)
+        self._next_check = time.monotonic() + check_interval_s
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.check_interval_s
+        stamp = _stamp(self.path)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
 @dataclass(frozen=True)
 class TokenSource(Generic[Owner]):
     """Where one principal's tokens are read: a file or an environment variable."""
@@ -53,7 +74,7 @@ class TokenSource(Generic[Owner]):
 class _Loaded(Generic[Owner]):
     source: TokenSource[Owner]
     digests: list[bytes]
-    stamp: FileStamp | None
+    watch: FileWatch | None  # None for an environment variable, read once
 
 
 class TokenStore(Generic[Owner]):
@@ -61,14 +82,12 @@ class TokenStore(Generic[Owner]):
     `check_interval_s`, on lookup; environment variables are read once."""
 
     def __init__(self, sources: Sequence[TokenSource[Owner]], check_interval_s: float = 1.0) -> None:
-        self.check_interval_s = check_interval_s
         self._loaded: list[_Loaded[Owner]] = []
         for source in sources:  # at start-up a bad token stops the server: ConfigError propagates
-            stamp = _stamp(source.token_file) if source.token_file is not None else None
-            loaded = _Loaded(source, self._read(source), stamp)
-            self._loaded.append(loaded)
+            path = source.token_file
+            watch = FileWatch(path, check_interval_s) if path is not None else None
+            self._loaded.append(_Loaded(source, self._read(source), watch))
         self._pairs = self._index()
-        self._next_check = time.monotonic() + check_interval_s
 
     def owners(self) -> list[Owner]:
         return [loaded.source.owner for loaded in self._loaded]
@@ -98,16 +117,11 @@ class TokenStore(Generic[Owner]):
         return [(digest, loaded.source.owner) for loaded in self._loaded for digest in loaded.digests]
 
     def _reload_changed_files(self) -> None:
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + self.check_interval_s
         changed = False
         for loaded in self._loaded:
-            path = loaded.source.token_file
-            if path is None or (stamp := _stamp(path)) == loaded.stamp:
+            if loaded.watch is None or not loaded.watch.changed():
                 continue
-            loaded.stamp, changed = stamp, True
+            changed = True
             try:
                 loaded.digests = self._read(loaded.source)
             except ConfigError as error:
@@ -115,7 +129,7 @@ class TokenStore(Generic[Owner]):
                 log.error("%s; principal %r is refused until its token file is fixed", error, loaded.source.name)
             else:
                 log.info("principal %r: token file %s changed; %d token(s) accepted now",
-                         loaded.source.name, path, len(loaded.digests))
+                         loaded.source.name, loaded.watch.path, len(loaded.digests))
         if changed:
             self._pairs = self._index()
 
@@ -128,20 +142,13 @@ class ClientToken:
     def __init__(self, token_file: Path | None, token_env: str | None, owner: str,
                  check_interval_s: float = 1.0) -> None:
         self._file, self._env, self._owner = token_file, token_env, owner
-        self.check_interval_s = check_interval_s
         self._token = read_token(token_file, token_env, owner)  # fails fast at start-up
-        self._stamp = _stamp(token_file) if token_file is not None else None
-        self._next_check = time.monotonic() + check_interval_s
+        self._watch = FileWatch(token_file, check_interval_s) if token_file is not None else None
 
     def current(self) -> str:
-        now = time.monotonic()
-        if self._file is not None and now >= self._next_check:
-            self._next_check = now + self.check_interval_s
-            stamp = _stamp(self._file)
-            if stamp != self._stamp:
-                self._stamp = stamp
-                try:
-                    self._token = read_token(self._file, self._env, self._owner)
-                except ConfigError as error:
-                    log.warning("%s; sending the previous token", error)
+        if self._watch is not None and self._watch.changed():
+            try:
+                self._token = read_token(self._file, self._env, self._owner)
+            except ConfigError as error:
+                log.warning("%s; sending the previous token", error)
         return self._token
