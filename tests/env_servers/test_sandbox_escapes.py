@@ -263,15 +263,14 @@ async def test_a_cell_cannot_read_root_s_home(server: ServerProcess) -> None:
     assert all(str(value).startswith("error") for value in got["read"].values()), got["read"]
 
 
-async def _other_episode_keeps_answering(client: EnvSession, hostile: asyncio.Future[Any]) -> int:
-    """Steps a second episode until the hostile step is done; how many steps it answered."""
-    episode = await open_episode(client, 3)
+async def _other_episode_keeps_answering(client: EnvSession, episode: str, hostile: asyncio.Future[Any]) -> int:
+    """Steps another episode while the hostile step runs (and once more if it is already over):
+    how many steps it answered, each with the right result."""
     answered = 0
-    while not hostile.done():
+    while answered == 0 or not hostile.done():
         got = await run(client, episode, "seen['sum'] = sum(range(10))")
         assert got == {"sum": 45}
         answered += 1
-    await client.close(episode)
     return answered
 
 
@@ -280,11 +279,11 @@ async def _hostile_then_recovers(server: ServerProcess, body: str) -> tuple[dict
     episode. Returns what the hostile cell reported (or {"text": observation} when it printed no
     report), what the plain cell reported, and how many steps the other episode got meanwhile."""
     async with EnvClient(server.target) as unary, unary.session() as client:
-        episode = await open_episode(client, 4)
+        episode, other = await open_episode(client, 4), await open_episode(client, 3)
         workspace = (await run(client, episode, "seen['cwd'] = os.getcwd()"))["cwd"]
         code, tag = report(TRY + body)
         hostile = asyncio.ensure_future(client.step(episode, cell(code), timeout=120))
-        answered = await _other_episode_keeps_answering(client, hostile)
+        answered = await _other_episode_keeps_answering(client, other, hostile)
         step = await hostile
         assert step.reward.status == SCORED, f"a hostile cell is the agent's mistake: {step.reward}"
         hostile_seen = seen(step, tag) or {"text": text(step)}
@@ -317,7 +316,8 @@ async def test_a_memory_bomb_ends_in_memory_error_and_the_kernel_survives(server
 
 async def test_a_fork_bomb_is_stopped_and_the_server_keeps_answering(server: ServerProcess) -> None:
     # Bounded at 300 children that exit after 15 s, so that it cannot take the host down where
-    # nothing limits processes.
+    # nothing limits processes. A cell that leaves the sandbox without a process to spare (not
+    # even a thread) leaves it to a fresh kernel, so the next cell runs.
     hostile, after, answered = await _hostile_then_recovers(server, (
         "import time\n"
         "children = []\n"
