@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nbformat
+import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
 
@@ -67,7 +68,11 @@ class SandboxedKernel:
         if sandbox.uid >= 0:
             os.chown(path, sandbox.uid, sandbox.uid)
         process = await sandbox.start([sandbox_python(), "-m", "ipykernel_launcher", "-f", path])
-        client = AsyncKernelClient()
+        # A context of its own, closed with the kernel, whose sockets never linger: a context
+        # left to the garbage collector with sockets open blocks its thread in term().
+        context = zmq.asyncio.Context()
+        context.linger = 0
+        client = AsyncKernelClient(context=context)
         client.load_connection_info(info)
         client.start_channels(hb=False)  # the server watches the process itself
         kernel = cls(sandbox, process, client)
@@ -176,6 +181,7 @@ class SandboxedKernel:
         """Kill the sandbox (and every process in it); the client's sockets close."""
         with contextlib.suppress(Exception):
             self.client.stop_channels()
+            self.client.context.destroy(linger=0)
         await self.process.kill()
 
 

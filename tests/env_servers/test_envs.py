@@ -25,11 +25,12 @@ def call(tool: str, **arguments: object) -> ToolRequestMessage:
 
 
 def kernel_processes() -> list[psutil.Process]:
-    """Jupyter kernels started by this test process."""
+    """Jupyter kernels started by this test process (the kernels themselves, not the bwrap
+    processes of their sandboxes)."""
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if "ipykernel" in " ".join(child.cmdline())
+        if "ipykernel" in " ".join(child.cmdline()) and child.name() != "bwrap"
     ]
 
 
