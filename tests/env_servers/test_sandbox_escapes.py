@@ -27,9 +27,10 @@ import pytest
 from clients.env_client import EnvClient, EnvSession, tool_calls_action
 from sciproto.pb import common_pb2, env_pb2
 from sciproto.processes import ServerProcess
+from tests.conftest import BWRAP_PROBLEM
 from tests.env_servers.conftest import LOG_DIR, serve_env
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the notebook sandbox needs Linux")
+pytestmark = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"no working bwrap: {BWRAP_PROBLEM}")
 
 CELL_TIMEOUT_S = 8
 SCORED = common_pb2.REWARD_STATUS_SCORED
