@@ -109,14 +109,16 @@ class SandboxedKernel:
         msg_id = self.client.execute(source)
         started, cpu_start = time.monotonic(), self.process.cpu_seconds()
         interrupted_at: float | None = None
-        printed = 0
+        printed, checked = 0, started
         while True:
             if interrupted_at is None:
-                reason = self._limit_reached(limits, started, cpu_start)
-                if reason is not None:
-                    result.stopped = reason
-                    await self._interrupt()
-                    interrupted_at = time.monotonic()
+                if time.monotonic() - checked >= POLL_S:  # at most every POLL_S: it reads /proc
+                    checked = time.monotonic()
+                    reason = self._limit_reached(limits, started, cpu_start)
+                    if reason is not None:
+                        result.stopped = reason
+                        await self._interrupt()
+                        interrupted_at = time.monotonic()
             elif time.monotonic() - interrupted_at > INTERRUPT_GRACE_S:
                 result.stopped = f"{result.stopped}; it did not stop when interrupted"
                 break
