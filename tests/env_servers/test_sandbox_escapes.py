@@ -346,3 +346,10 @@ async def test_an_endless_loop_is_stopped_at_the_cell_timeout_and_the_kernel_ans
     assert after == {"after": 42}, "the kernel is still busy with the endless loop"
     assert answered >= 1
     assert elapsed < 60  # the loop was stopped, not waited out by the 60 s step timeout
+
+
+async def test_describe_names_the_sandbox_and_its_limits(server: ServerProcess) -> None:
+    async with EnvClient(server.target) as client:
+        described = await client.describe()
+    description = {env.name: env.description for env in described.environments}["notebook"]
+    assert "sandbox: bwrap" in description and "memory 2048 MiB per process" in description, description
