@@ -34,6 +34,7 @@ from sciproto.errors import (
     InvalidArgument,
     NotFound,
     Reason,
+    SciprotoError,
     Unimplemented,
 )
 from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
@@ -202,17 +203,24 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def _trajectory_reward(self, trajectory: env_pb2.StoredTrajectory) -> common_pb2.Reward:
         source = self._source(trajectory.env)
-        if trajectory.WhichOneof("task") != "task_ref":
-            raise Unimplemented(
-                "re-scoring a trajectory needs its task_ref (split, index); trajectories of inline tasks"
-                " cannot be re-scored: Verify the live episode instead", Reason.UNSUPPORTED)
-        split, index = trajectory.task_ref.split, trajectory.task_ref.index
-        self._check_task(trajectory.env, split, index)
         messages = [convert.message_from_proto(message) for message in trajectory.messages]
+        which = trajectory.WhichOneof("task")
+        if which == "task_ref":
+            split, index = trajectory.task_ref.split, trajectory.task_ref.index
+            self._check_task(trajectory.env, split, index)
+            rescore = lambda: source.rescore(split, index, messages)
+        elif which == "inline_task":
+            fields = dict(trajectory.inline_task.fields)
+            rescore = lambda: _rescore_inline(source, fields, messages)
+        else:
+            raise InvalidArgument("StoredTrajectory names no task: set task_ref {split, index} or inline_task",
+                                  Reason.INVALID_REQUEST)
         try:
-            value, components = await source.rescore(split, index, messages)
+            value, components = await rescore()
         except RescoreUnsupportedError as error:
             raise Unimplemented(f"{error}; Verify the live episode instead", Reason.UNSUPPORTED) from None
+        except SciprotoError:
+            raise
         except Exception as error:
             log.warning("%s: rescore raised", trajectory.env, exc_info=True)
             self.registry.counters.errors += 1
@@ -286,6 +294,14 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Environment:
     try:
         return await source.make_inline(fields)
+    except ValueError as error:
+        raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
+
+
+async def _rescore_inline(source: EnvironmentSource, fields: dict[str, str],
+                          messages: list[Any]) -> tuple[float, dict[str, float]]:
+    try:
+        return await source.rescore_inline(fields, messages)
     except ValueError as error:
         raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
 

@@ -176,18 +176,26 @@ class GSM8kSource(EnvironmentSource):
         Only the submission is scored: rewards earned by calculator calls are not replayed.
         """
         self.check_task(split, index)
-        env = CalculatorEnv(
-            problem_id=None,
-            problem=self._rows[split][index]["question"],
-            answer=parse_answer_number(self._rows[split][index]["answer"]),
-            config=CalculatorEnvConfig(),
-        )
-        answer = last_tool_argument(messages, "submit_answer", "answer")
-        if answer is None:
-            return no_submission(env.config.incorrect_reward)
-        correct, reward, _ = env.submit_answer(answer)
-        return reward, {"correct": float(correct), "submitted": 1.0}
+        row = self._rows[split][index]
+        return _score_submission(row["question"], parse_answer_number(row["answer"]), messages)
+
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """As `rescore`, against the inline task's question and answer."""
+        require_fields(self.name, task, {"question", "answer"})
+        return _score_submission(task["question"], parse_answer_number(task["answer"]), messages)
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"
         return no_submission(env.config.incorrect_reward)
+
+
+def _score_submission(question: str, answer: float | str, messages: Sequence[Message]) -> tuple[float, RewardComponents]:
+    """The reward CalculatorEnv.submit_answer gives the trajectory's last submission."""
+    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+    submitted = last_tool_argument(messages, "submit_answer", "answer")
+    if submitted is None:
+        return no_submission(env.config.incorrect_reward)
+    correct, reward, _ = env.submit_answer(submitted)
+    return reward, {"correct": float(correct), "submitted": 1.0}

@@ -107,6 +107,15 @@ class EnvironmentSource(ABC):
             f"environment {self.name!r} cannot score a stored trajectory; replay it instead"
         )
 
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """Score a stored trajectory of an inline task (the fields it was reset with) without
+        replaying it; bad fields raise ValueError, as make_inline does."""
+        raise RescoreUnsupportedError(
+            f"environment {self.name!r} cannot score a stored trajectory of an inline task; replay it instead"
+        )
+
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents] | None:
         """The reward added to an episode's return when it has not ended with an answer (the
         agent ran out of budget, or Verify came early), for environments whose tasks are

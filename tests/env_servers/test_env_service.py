@@ -15,7 +15,6 @@ from sciproto.errors import (
     InvalidArgument,
     NotFound,
     Reason,
-    Unimplemented,
 )
 from sciproto.pb import common_pb2, env_grpc, env_pb2
 from sciproto.processes import ServerProcess
@@ -284,13 +283,24 @@ async def test_verify_stored_trajectories(env_server: ServerProcess) -> None:
         del trajectory.messages[-1]
         trajectory.messages.append(submit(str(float(answer) + 1)))
         wrong = await client.verify(trajectory=trajectory)
-        inline = env_pb2.StoredTrajectory(env="gsm8k", inline_task=env_pb2.InlineTask(fields={"question": "q"}))
-        with pytest.raises(Unimplemented) as unsupported:
-            await client.verify(trajectory=inline)
+        # A trajectory of an inline task is graded against the fields it was run on.
+        inline_task = env_pb2.InlineTask(fields={"question": "What is 6 * 7?", "answer": "#### 42"})
+        inline = env_pb2.StoredTrajectory(env="gsm8k", inline_task=inline_task, messages=[submit("42")])
+        inline_right = await client.verify(trajectory=inline)
+        inline.messages[-1].CopyFrom(submit("41"))
+        inline_wrong = await client.verify(trajectory=inline)
+        incomplete = env_pb2.StoredTrajectory(env="gsm8k", inline_task=env_pb2.InlineTask(fields={"question": "q"}))
+        with pytest.raises(InvalidArgument) as missing_field:
+            await client.verify(trajectory=incomplete)
+        with pytest.raises(InvalidArgument) as no_task:
+            await client.verify(trajectory=env_pb2.StoredTrajectory(env="gsm8k", messages=[submit("1")]))
     assert (rescored.reward.value, rescored.reward.status) == (1.0, SCORED)
     assert dict(rescored.reward.components) == {"correct": 1.0, "submitted": 1.0}
     assert wrong.reward.value == 0.0
-    assert "Verify the live episode" in unsupported.value.message
+    assert (inline_right.reward.value, inline_right.reward.status) == (1.0, SCORED)
+    assert (inline_wrong.reward.value, inline_wrong.reward.status) == (0.0, SCORED)
+    assert missing_field.value.reason == Reason.INVALID_REQUEST and "answer" in missing_field.value.message
+    assert no_task.value.reason == Reason.INVALID_REQUEST
 
 
 async def test_closing_or_cancelling_a_session_closes_its_episodes(env_server: ServerProcess) -> None:
