@@ -68,3 +68,26 @@ def test_each_broken_server_is_caught(broken: tuple[str, ServerProcess]) -> None
     assert failed == expected, report
     details = " ".join(check["detail"] for check in report["checks"] if check["name"] in failed)
     assert says in details, details
+
+
+def test_node_env_server_passes_every_check(node_env_server: ServerProcess) -> None:
+    code, report = run_kit("env", node_env_server.target)
+    assert code == 0, report["summary"] + "\n" + "\n".join(
+        f"{c['name']}: {c['detail']}" for c in report["checks"] if c["outcome"] != "PASS")
+    assert set(outcomes(report).values()) == {"PASS"}
+    assert "digits:train" in report["checks"][0]["detail"]
+
+
+def test_node_env_server_reflection_serves_the_contract(node_env_server: ServerProcess) -> None:
+    """What grpcurl does: find the service through reflection and read its methods."""
+    import grpc
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(node_env_server.target) as channel:
+        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        service = pool.FindServiceByName("sciproto.v1.EnvironmentService")
+        methods = {method.name for method in service.methods}
+        reset = pool.FindMessageTypeByName("sciproto.v1.ResetRequest")
+    assert methods == {"Describe", "Reset", "Step", "Verify", "Close", "Session"}
+    assert "task_ref" in reset.fields_by_name
