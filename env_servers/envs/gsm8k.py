@@ -6,6 +6,7 @@ The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset
 
 import ast
 import asyncio
+import inspect
 import json
 import operator
 from collections.abc import Callable, Sequence
@@ -112,7 +113,12 @@ def _on_the_loop_when_short(method: Callable[..., object], argument: str) -> Cal
             return method(**arguments)
         return await asyncio.to_thread(method, **arguments)
 
+    # exec_tool_calls reads the tool function's signature on every call; give it the answer.
+    run.__signature__ = _KEYWORDS_ONLY  # type: ignore[attr-defined]
     return run
+
+
+_KEYWORDS_ONLY = inspect.signature(lambda **arguments: None)
 
 
 class BoundedCalculatorEnv(CalculatorEnv):
@@ -153,7 +159,8 @@ class GSM8kSource(EnvironmentSource):
 
     def __init__(self, options: GSM8kOptions) -> None:
         self.options = options
-        self._datasets: dict[str, GSM8kDataset] = {}
+        self._problems_of: dict[str, list[tuple[str, str, float]]] = {}
+        self._config = CalculatorEnvConfig()
         self._loading = asyncio.Lock()
         for file_name, _ in SPLITS.values():
             if not (options.data_dir / file_name).is_file():
@@ -176,18 +183,26 @@ class GSM8kSource(EnvironmentSource):
     def splits(self) -> dict[str, int]:
         return {split: len(rows) for split, rows in self._rows.items()}
 
-    async def _dataset(self, split: str) -> GSM8kDataset:
+    async def _problems(self, split: str) -> list[tuple[str, str, float]]:
+        """(problem_id, problem, answer) of every task of `split`, as Aviary's GSM8kDataset
+        gives them to its CalculatorEnv, read out of its DataFrame once (a row lookup per
+        episode cost more than the rest of a reset)."""
         async with self._loading:
-            if split not in self._datasets:
-                aviary_split = SPLITS[split][1]
-                self._datasets[split] = await asyncio.to_thread(
-                    GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
+            if split not in self._problems_of:
+                dataset = await asyncio.to_thread(
+                    GSM8kDataset, SPLITS[split][1], hf_source=str(self.options.data_dir)
                 )
-        return self._datasets[split]
+                self._config = dataset.config
+                rows = dataset.src_df[["problem_id", "question", "answer_num"]]
+                self._problems_of[split] = [
+                    (str(pid), str(problem), float(answer))
+                    for pid, problem, answer in rows.itertuples(index=False)
+                ]
+        return self._problems_of[split]
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
-        env = (await self._dataset(split)).get_new_env_by_idx(index)
-        return BoundedCalculatorEnv(env.problem_id, env.problem, env.answer, env.config)
+        problem_id, problem, answer = (await self._problems(split))[index]
+        return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
         require_fields(self.name, task, {"question", "answer"})
