@@ -15,11 +15,12 @@ reads why.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aviary.core import Message, Tool, ToolCall, ToolRequestMessage, ToolResponseMessage
-from aviary.tools.base import INVALID_TOOL_NAME, ToolCallFunction
+from aviary.tools.base import INVALID_TOOL_NAME, FunctionInfo, ToolCallFunction
 
 from sciproto.errors import InvalidArgument, Reason
 from sciproto.pb import common_pb2
@@ -77,17 +78,35 @@ def messages_to_proto(messages: Sequence[Message]) -> list[common_pb2.ChatMessag
     return [message_to_proto(message) for message in messages]
 
 
+# FunctionInfo -> its ToolSpec, for tools that share one FunctionInfo across episodes (see
+# env_servers.envs.source.cached_tools); each entry holds its FunctionInfo, so an id stays its own.
+_SPECS: OrderedDict[int, tuple[FunctionInfo, common_pb2.ToolSpec]] = OrderedDict()
+_SPECS_KEPT = 256
+
+
 def tool_to_proto(tool: Tool) -> common_pb2.ToolSpec:
-    """A Tool in OpenAI function form, its parameters' JSON Schema as text."""
-    parameters = tool.info.parameters
+    """A Tool in OpenAI function form, its parameters' JSON Schema as text. The spec of a
+    FunctionInfo seen before is the one made then (do not modify what this returns)."""
+    cached = _SPECS.get(id(tool.info))
+    if cached is not None and cached[0] is tool.info:
+        return cached[1]
+    spec = _spec(tool.info)
+    _SPECS[id(tool.info)] = (tool.info, spec)
+    if len(_SPECS) > _SPECS_KEPT:
+        _SPECS.popitem(last=False)
+    return spec
+
+
+def _spec(info: FunctionInfo) -> common_pb2.ToolSpec:
+    parameters = info.parameters
     schema = (
         parameters.model_dump(exclude_none=True, by_alias=True)
         if parameters is not None
         else {"type": "object", "properties": {}}
     )
     return common_pb2.ToolSpec(
-        name=tool.info.name,
-        description=tool.info.description,
+        name=info.name,
+        description=info.description,
         parameters_json_schema=json.dumps(schema),
     )
 

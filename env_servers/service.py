@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 from aviary.core import Environment
-from opentelemetry.trace import Span
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from env_servers import convert
 from env_servers.catalog import (
@@ -39,7 +39,7 @@ from sciproto.errors import (
 )
 from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
 from sciproto.server import server_info
-from sciproto.tracing import Attr, Operation, span_for_request, span_name
+from sciproto.tracing import Attr, Operation, span_for_request, span_name, tracing_enabled
 
 log = logging.getLogger("env_servers.service")
 
@@ -237,6 +237,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
     def _episode_span(self, operation: str, request: Any, episode_id: str,
                       context: grpc.aio.ServicerContext | None) -> contextlib.AbstractContextManager[Span]:
         """The span of an operation on an open episode, named after the episode's environment."""
+        if not tracing_enabled():  # no span to name: skip the lookup
+            return contextlib.nullcontext(INVALID_SPAN)
         episode = self.registry.find(episode_id)
         env = episode.env_name if episode is not None else None
         return span_for_request(span_name(operation, env), context, request.trace_context,

@@ -62,6 +62,9 @@ def serve_env(
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
+    workers: Annotated[int, typer.Option(min=1, help="Server processes, one port each from --port on"
+                                                    " (0: each a free one); spread episodes over them"
+                                                    " with a replica pool")] = 1,
     verbose: bool = False,
 ) -> None:
     """Serve Aviary environments over EnvironmentService."""
@@ -69,6 +72,9 @@ def serve_env(
     overrides = _server_overrides("env", host, port, auth, set_)
     if env:
         overrides.append(f"envs=[{','.join(env)}]")
+    if workers > 1:
+        importlib.import_module("env_servers.workers").main(config, overrides, workers, verbose)
+        return
     _run_component("env_servers.app", config, overrides)
 
 

@@ -2,10 +2,11 @@
 summaries for logs, and (where the environment allows it) re-scoring of stored trajectories."""
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from aviary.core import Environment, Message, ToolRequestMessage
+from aviary.core import Environment, Message, Tool, ToolRequestMessage
+from aviary.tools.base import FunctionInfo
 
 # Size reported for a split whose dataset has no length (Aviary's infinite TaskDatasets).
 UNBOUNDED = -1
@@ -26,9 +27,9 @@ class ReportsRewardComponents(Protocol):
 
 def reward_components(env: Environment) -> RewardComponents:
     """The named parts of the env's latest reward; empty for envs that do not report them."""
-    if isinstance(env, ReportsRewardComponents):
-        return dict(env.reward_components)
-    return {}
+    # What isinstance(env, ReportsRewardComponents) checks, without typing's slow protocol check.
+    components = getattr(env, "reward_components", None)
+    return dict(components) if components is not None else {}
 
 
 def no_submission(reward: float) -> tuple[float, RewardComponents]:
@@ -48,6 +49,25 @@ def last_tool_argument(messages: Sequence[Message], tool: str, argument: str) ->
             if call.function.name == tool and argument in call.function.arguments:
                 return str(call.function.arguments[argument])
     return None
+
+
+# (environment class, the method's function) -> the tool's name, description and JSON Schema.
+# A method's schema depends only on its signature and docstring, which never change at run time,
+# so it is built once per class instead of once per episode (pydantic builds a model for it).
+_TOOL_INFOS: dict[tuple[type, Callable[..., Any]], FunctionInfo] = {}
+
+
+def cached_tool(method: Callable[..., Any], run: Callable[..., Any] | None = None) -> Tool:
+    """The tool `Tool.from_function(method)` makes, for a bound method of an environment, with its
+    schema built once per environment class and method and shared after that.
+
+    run: what the tool calls instead of `method`, with the same arguments (a coroutine that
+    runs `method` on the event loop, say); by default `method` itself."""
+    key = (type(method.__self__), method.__func__)  # type: ignore[attr-defined]
+    info = _TOOL_INFOS.get(key)
+    if info is None:
+        info = _TOOL_INFOS[key] = Tool.from_function(method).info
+    return Tool(tool_fn=run or method, info=info)
 
 
 def require_fields(
