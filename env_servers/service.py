@@ -43,8 +43,8 @@ from sciproto.tracing import Attr, Operation, span_for_request, span_name, traci
 
 log = logging.getLogger("env_servers.service")
 
-CAPABILITIES = ("session", "session.heartbeat", "verify.episode", "verify.trajectory",
-                "inline_tasks", "idempotent_requests")
+CAPABILITIES = ("session", "session.heartbeat", "session.cancel", "session.max_in_flight", "verify.episode",
+                "verify.trajectory", "inline_tasks", "idempotent_requests")
 
 Response = TypeVar("Response")
 
@@ -99,7 +99,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             server=server, environments=environments,
             limits=env_pb2.EnvironmentLimits(
                 max_live_episodes=self.config.max_live_episodes, idle_ttl_seconds=self.config.idle_ttl_s,
-                step_timeout_seconds=self.config.step_timeout_s),
+                step_timeout_seconds=self.config.step_timeout_s,
+                session_max_in_flight=self.config.session_max_in_flight),
             counters=env_pb2.EnvironmentCounters(
                 live_episodes=self.registry.live, episodes_opened=counters.opened,
                 episodes_expired=counters.expired, steps=counters.steps, errors=counters.errors))
@@ -288,7 +289,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:
-        stream = SessionStream(self, self.config.heartbeat_interval_s, context)
+        stream = SessionStream(self, self.config.heartbeat_interval_s, context,
+                               max_in_flight=self.config.session_max_in_flight)
         async for response in stream.run(request_iterator):
             yield response
 

@@ -22,14 +22,17 @@ const digits = require("./digits");
 const { asSciproto, fail } = require("./errors");
 const { IdempotencyCache } = require("./idempotency");
 
-const PROTOCOL_VERSION = "1.1";
+const PROTOCOL_VERSION = "1.2";
 const SERVER_VERSION = "0.1.0";
 const ENV_NAME = "digits";
 const ENV_SERVICE = "sciproto.v1.EnvironmentService";
 const PROTO_ROOT = path.resolve(__dirname, "..", "..", "proto");
 const LOADER = { keepCase: false, longs: String, enums: String, defaults: true, oneofs: true };
-const CAPABILITIES = ["session", "verify.episode", "verify.trajectory", "inline_tasks", "idempotent_requests"];
+const CAPABILITIES = ["session", "session.cancel", "session.max_in_flight", "verify.episode", "verify.trajectory", "inline_tasks", "idempotent_requests"];
 const MAX_MESSAGE_BYTES = 16 * 1024 * 1024;
+// Operations here finish before the next frame is read, so a stream never has one running when
+// another arrives: the limit is never reached, and a cancel never finds anything to stop.
+const SESSION_MAX_IN_FLIGHT = 256;
 const S = grpc.status;
 
 const contract = protoLoader.loadSync("sciproto/v1/environment_service.proto", { ...LOADER, includeDirs: [PROTO_ROOT] });
@@ -204,7 +207,10 @@ class Environments {
         name: ENV_NAME, description: digits.DESCRIPTION, tools: [digits.SUBMIT_ANSWER],
         splits: Object.entries(digits.SPLIT_SIZES).map(([name, size]) => ({ name, size })),
       }],
-      limits: { maxLiveEpisodes: this.settings.maxLiveEpisodes, idleTtlSeconds: this.settings.idleTtlS, stepTimeoutSeconds: 0 },
+      limits: {
+        maxLiveEpisodes: this.settings.maxLiveEpisodes, idleTtlSeconds: this.settings.idleTtlS, stepTimeoutSeconds: 0,
+        sessionMaxInFlight: SESSION_MAX_IN_FLIGHT,
+      },
       counters: { liveEpisodes: this.episodes.size, episodesOpened: this.counters.opened,
         episodesExpired: this.counters.expired, steps: this.counters.steps, errors: this.counters.errors },
     };
@@ -258,6 +264,10 @@ function session(environments) {
       try {
         if (!operation) {
           throw fail(S.INVALID_ARGUMENT, "INVALID_REQUEST", "SessionRequest carries no operation: set reset, step, verify or close");
+        }
+        if (operation === "cancel") {
+          if (!ended) call.write({ requestId: body.requestId, cancel: { cancelled: false } });
+          return;
         }
         const result = environments.apply(operation, body);
         if (operation === "reset") {

@@ -435,6 +435,76 @@ class EnvChecks:
             await session.cancel()
         return episode
 
+    async def session_cancel(self) -> str:
+        described = self._require_describe()
+        if "session.cancel" not in described.server.capabilities:
+            raise Skipped("the server does not advertise session.cancel (protocol 1.2)")
+        session = SessionProbe(self.stub, self.timeout_s)
+        try:
+            unknown = await session.ask(env_pb2.SessionRequest(cancel=env_pb2.CancelRequest(
+                request_id=new_id(), target_request_id=f"never-sent-{new_id()}")))
+            check(not answer_of(unknown, "cancel").cancelled,  # type: ignore[attr-defined]
+                  "a cancel of a request_id never sent answered cancelled=true")
+            reset = answer_of(await session.ask(env_pb2.SessionRequest(reset=env_pb2.ResetRequest(
+                request_id=new_id(), env=self.env, task_ref=self.task()))), "reset")
+            episode: str = reset.episode_id  # type: ignore[attr-defined]
+            self._opened.append(episode)
+            step = env_pb2.StepRequest(request_id=new_id(), episode_id=episode, action=reply())
+            stepped = session.submit(env_pb2.SessionRequest(step=step))
+            stop = await session.ask(env_pb2.SessionRequest(cancel=env_pb2.CancelRequest(
+                request_id=new_id(), target_request_id=step.request_id)))
+            step_answer = await asyncio.wait_for(stepped, self.timeout_s)
+            cancelled = answer_of(stop, "cancel").cancelled  # type: ignore[attr-defined]
+            if cancelled:
+                check(step_answer.WhichOneof("result") == "error", "a cancelled step was answered with a result")
+                expect_error(decode_status(step_answer.error), grpc.StatusCode.CANCELLED, "CANCELLED")
+                verified = answer_of(await session.ask(env_pb2.SessionRequest(verify=env_pb2.VerifyRequest(
+                    request_id=new_id(), episode_id=episode))), "verify")
+                check(verified.reward.status == common_pb2.REWARD_STATUS_INFRA_ERROR,  # type: ignore[attr-defined]
+                      "after a cancelled step, Verify does not report INFRA_ERROR")
+                outcome = "the step was stopped: CANCELLED, then Verify INFRA_ERROR"
+            else:
+                answer_of(step_answer, "step")
+                outcome = "the step finished first: answered, cancel answered cancelled=false"
+            late = await session.ask(env_pb2.SessionRequest(cancel=env_pb2.CancelRequest(
+                request_id=new_id(), target_request_id=step.request_id)))
+            check(not answer_of(late, "cancel").cancelled,  # type: ignore[attr-defined]
+                  "a cancel of an answered operation answered cancelled=true")
+            await session.end()
+        finally:
+            await session.cancel()
+        return outcome
+
+    async def session_max_in_flight(self) -> str:
+        described = await self.describe_now()
+        limit = described.limits.session_max_in_flight
+        if not limit:
+            raise Skipped("the server reports no session_max_in_flight (protocol 1.2)")
+        if limit > 1024:
+            raise Skipped(f"session_max_in_flight is {limit}; more than 1024 frames is left to load tests")
+        session = SessionProbe(self.stub, self.timeout_s)
+        try:
+            reset = answer_of(await session.ask(env_pb2.SessionRequest(reset=env_pb2.ResetRequest(
+                request_id=new_id(), env=self.env, task_ref=self.task()))), "reset")
+            episode: str = reset.episode_id  # type: ignore[attr-defined]
+            self._opened.append(episode)
+            burst = [session.submit(env_pb2.SessionRequest(verify=env_pb2.VerifyRequest(
+                request_id=new_id(), episode_id=episode))) for _ in range(limit + 4)]
+            answers = await asyncio.wait_for(asyncio.gather(*burst), self.timeout_s)
+            refused = 0
+            for answer in answers:
+                if answer.WhichOneof("result") == "error":
+                    expect_error(decode_status(answer.error), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 "TOO_MANY_IN_FLIGHT", retry_info=True)
+                    refused += 1
+                else:
+                    answer_of(answer, "verify")
+            check(not session.stray, f"{len(session.stray)} answers came for no request (answered twice?)")
+            await session.end()
+        finally:
+            await session.cancel()
+        return f"{limit + 4} frames at once against max_in_flight {limit}: all answered, {refused} refused with RetryInfo"
+
     async def verify_stored_trajectory(self) -> str:
         described = self._require_describe()
         if "verify.trajectory" not in described.server.capabilities:
@@ -506,6 +576,8 @@ class EnvChecks:
             ("session_multiplexing", self.session_multiplexing),
             ("session_closes_episodes_on_end", self.session_closes_on_end),
             ("session_closes_episodes_on_cancel", self.session_closes_on_cancel),
+            ("session_cancel", self.session_cancel),
+            ("session_max_in_flight", self.session_max_in_flight),
             ("verify_stored_trajectory", self.verify_stored_trajectory),
             ("backpressure", self.backpressure),
         ]

@@ -7,7 +7,12 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from sciproto.processes import ServerProcess, sciproto_command
 from tests.conformance.conftest import ROOT, broken_env_server, outcomes, run_kit
@@ -80,10 +85,6 @@ def test_node_env_server_passes_every_check(node_env_server: ServerProcess) -> N
 
 def test_node_env_server_reflection_serves_the_contract(node_env_server: ServerProcess) -> None:
     """What grpcurl does: find the service through reflection and read its methods."""
-    import grpc
-    from google.protobuf.descriptor_pool import DescriptorPool
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
     with grpc.insecure_channel(node_env_server.target) as channel:
         pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
         service = pool.FindServiceByName("sciproto.v1.EnvironmentService")

@@ -170,22 +170,29 @@ class EnvironmentLimits(_message.Message):
     MAX_LIVE_EPISODES_FIELD_NUMBER: _builtins.int
     IDLE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     STEP_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    SESSION_MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     max_live_episodes: _builtins.int
     """Most episodes open at once; Reset beyond it gets RESOURCE_EXHAUSTED with RetryInfo."""
     idle_ttl_seconds: _builtins.float
     """An episode untouched for this many seconds is closed."""
     step_timeout_seconds: _builtins.float
     """A Step that takes longer than this many seconds fails the episode with INFRA_ERROR."""
+    session_max_in_flight: _builtins.int
+    """Most operations one Session stream may have running at once (protocol 1.2). An
+    operation sent beyond it is answered at once, in-band, with RESOURCE_EXHAUSTED
+    (reason TOO_MANY_IN_FLIGHT) and a RetryInfo; cancels do not count. 0: not reported.
+    """
     def __init__(
         self,
         *,
         max_live_episodes: _builtins.int = ...,
         idle_ttl_seconds: _builtins.float = ...,
         step_timeout_seconds: _builtins.float = ...,
+        session_max_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_ttl_seconds", b"idle_ttl_seconds", "max_live_episodes", b"max_live_episodes", "step_timeout_seconds", b"step_timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_ttl_seconds", b"idle_ttl_seconds", "max_live_episodes", b"max_live_episodes", "session_max_in_flight", b"session_max_in_flight", "step_timeout_seconds", b"step_timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -724,6 +731,7 @@ class SessionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def reset(self) -> Global___ResetRequest:
         """Start an episode."""
@@ -740,6 +748,10 @@ class SessionRequest(_message.Message):
     def close(self) -> Global___CloseRequest:
         """End an episode."""
 
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest:
+        """Stop one operation still running on this stream (protocol 1.2)."""
+
     def __init__(
         self,
         *,
@@ -747,16 +759,74 @@ class SessionRequest(_message.Message):
         step: Global___StepRequest | None = ...,
         verify: Global___VerifyRequest | None = ...,
         close: Global___CloseRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close"]  # noqa: Y015
+    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "cancel"]  # noqa: Y015
     _WhichOneofArgType_operation: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_operation) -> _WhichOneofReturnType_operation | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class CancelRequest(_message.Message):
+    """Stops one operation of the same Session stream that has not been answered yet
+    (protocol 1.2). The stopped operation is answered with CANCELLED (reason
+    CANCELLED); a Step stopped while its environment ran ends its episode, which
+    Verify then reports as INFRA_ERROR (a sample to mask, not a wrong answer); a
+    Reset stopped before it answered opens no episode the client can reach (any
+    episode it opened is closed). Cancelling an operation that already finished,
+    or a request_id the stream never carried, changes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TARGET_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Client-chosen id of this cancel; its answer carries it."""
+    target_request_id: _builtins.str
+    """The request_id of the operation to stop."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        target_request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "target_request_id", b"target_request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
+
+@_typing.final
+class CancelResponse(_message.Message):
+    """The answer to a cancel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.bool
+    """True if the operation was still running and has been stopped; false if it had
+    already been answered or was never sent on this stream.
+    """
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class SessionHeartbeat(_message.Message):
@@ -798,6 +868,7 @@ class SessionResponse(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request_id of the operation this answers."""
     episode_id: _builtins.str
@@ -828,6 +899,10 @@ class SessionResponse(_message.Message):
     def heartbeat(self) -> Global___SessionHeartbeat:
         """The operation is still running."""
 
+    @_builtins.property
+    def cancel(self) -> Global___CancelResponse:
+        """Answer to a cancel (protocol 1.2)."""
+
     def __init__(
         self,
         *,
@@ -839,12 +914,13 @@ class SessionResponse(_message.Message):
         close: Global___CloseResponse | None = ...,
         error: _status_pb2.Status | None = ...,
         heartbeat: Global___SessionHeartbeat | None = ...,
+        cancel: Global___CancelResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "error", b"error", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "error", b"error", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "episode_id", b"episode_id", "error", b"error", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "episode_id", b"episode_id", "error", b"error", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat", "cancel"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
