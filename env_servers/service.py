@@ -90,6 +90,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         environments = [
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
+                provenance=self._provenance(name),
                 splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
                         for split, size in self.splits[name].items()])
             for name, source in self.sources.items()
@@ -129,11 +130,11 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         if which == "task_ref":
             split, index = request.task_ref.split, request.task_ref.index
             self._check_task(request.env, split, index)
-            summary = source.task_summary(split, index)
+            summary, task_id = source.task_summary(split, index), source.task_id(split, index)
             make: Callable[[], Awaitable[Environment]] = lambda: source.make(split, index)
         elif which == "inline_task":
             fields = dict(request.inline_task.fields)
-            summary, make = fields, lambda: _make_inline(source, fields)
+            summary, make, task_id = fields, lambda: _make_inline(source, fields), source.inline_task_id(fields)
         else:
             raise InvalidArgument("ResetRequest names no task: set task_ref {split, index} or inline_task",
                                   Reason.INVALID_REQUEST)
@@ -142,7 +143,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         tools = convert.tools_to_proto(episode.tools)
         self.tools_seen[request.env] = tools
         return env_pb2.ResetResponse(episode_id=episode.id, observations=convert.messages_to_proto(observations),
-                                     tools=tools, task_summary=summary)
+                                     tools=tools, task_summary=summary, task_id=task_id)
 
     @_counts_errors
     async def step(self, request: env_pb2.StepRequest, *, context: grpc.aio.ServicerContext | None = None,
@@ -159,7 +160,9 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         action = convert.action_from_proto(request.action, episode.tools)
         outcome = await self.registry.step(episode, action.message)
         convert.explain_invalid_calls(outcome.observations, action.invalid_calls)
-        return _step_response(outcome)
+        response = _step_response(outcome)
+        response.reward.provenance.CopyFrom(self._provenance(episode.env_name))
+        return response
 
     @_counts_errors
     async def verify(self, request: env_pb2.VerifyRequest, *,
@@ -169,11 +172,13 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             with span_for_request(span_name(Operation.ENV_VERIFY, request.trajectory.env), context,
                                   request.trace_context, **{Attr.ENV_NAME: request.trajectory.env}) as span:
                 reward = await self._trajectory_reward(request.trajectory)
+                reward.provenance.CopyFrom(self._provenance(request.trajectory.env))
                 _record_reward(span, reward)
                 return env_pb2.VerifyResponse(reward=reward)
         if which == "episode_id":
             with self._episode_span(Operation.ENV_VERIFY, request, request.episode_id, context) as span:
                 reward = self._episode_reward(request.episode_id)
+                reward.provenance.CopyFrom(self._provenance(self.registry.get(request.episode_id).env_name))
                 _record_reward(span, reward)
                 return env_pb2.VerifyResponse(reward=reward)
         raise InvalidArgument("VerifyRequest names nothing to grade: set episode_id or trajectory",
@@ -244,6 +249,11 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         env = episode.env_name if episode is not None else None
         return span_for_request(span_name(operation, env), context, request.trace_context,
                                 **{Attr.ENV_NAME: env, Attr.EPISODE_ID: episode_id})
+
+    def _provenance(self, env: str) -> common_pb2.Provenance:
+        environment_version, grader_version = self.sources[env].versions
+        return common_pb2.Provenance(environment=env, environment_version=environment_version,
+                                     grader_version=grader_version)
 
     # ------------------------------------------------------------ checks
 

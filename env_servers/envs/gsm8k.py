@@ -210,6 +210,10 @@ class GSM8kSource(EnvironmentSource):
             problem_id=None, problem=task["question"], answer=parse_answer_number(task["answer"])
         )
 
+    def _task_content(self, split: str, index: int) -> dict[str, str]:
+        row = self._rows[split][index]
+        return {"question": row["question"], "answer": row["answer"]}
+
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         # The summary reaches the agent (ResetResponse.task_summary): never the answer.
         return {"question": self._rows[split][index]["question"]}

@@ -4,6 +4,8 @@
 // deterministic task generator.
 "use strict";
 
+const crypto = require("node:crypto");
+
 const SPLIT_SIZES = { train: 512, test: 64 };
 const NOUNS = ["apples", "birds", "cups", "doors", "eggs", "fish", "kites", "lamps", "maps", "pens"];
 const TEMPLATES = [
@@ -137,4 +139,16 @@ const DESCRIPTION =
   "One-step task: reply with digits. Reward = fraction of the reply's characters that are ASCII digits" +
   " (plain content, or the answer of a submit_answer call), in [0, 1].";
 
-module.exports = { DESCRIPTION, DigitsEpisode, SPLIT_SIZES, SUBMIT_ANSWER, digitFraction, rescore, taskPrompt };
+// Bumped when the same actions could lead to other observations / the same trajectory to
+// another reward.
+const PROVENANCE = { environment: "digits", environmentVersion: "digits/1+node", graderVersion: "digits/1+node" };
+
+// A task's stable id: a digest of what defines it (its prompt), not its position.
+function taskId(prompt) {
+  const digest = crypto.createHash("sha256").update(JSON.stringify({ question: prompt })).digest("hex");
+  return `digits:${digest.slice(0, 16)}`;
+}
+
+module.exports = {
+  DESCRIPTION, DigitsEpisode, PROVENANCE, SPLIT_SIZES, SUBMIT_ANSWER, digitFraction, rescore, taskId, taskPrompt,
+};

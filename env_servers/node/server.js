@@ -142,7 +142,7 @@ class Environments {
     this.episodes.set(id, { episode, lastUsed: Date.now() });
     this.counters.opened += 1;
     const { observations, tools } = episode.reset();
-    return { episodeId: id, observations, tools, taskSummary: { question: prompt } };
+    return { episodeId: id, observations, tools, taskSummary: { question: prompt }, taskId: digits.taskId(prompt) };
   }
 
   step(request) {
@@ -165,7 +165,7 @@ class Environments {
     this.counters.steps += 1;
     return {
       observations: outcome.observations,
-      reward: { value: outcome.reward, components: { digit_fraction: outcome.reward }, status: "REWARD_STATUS_SCORED" },
+      reward: { value: outcome.reward, components: { digit_fraction: outcome.reward }, status: "REWARD_STATUS_SCORED", provenance: digits.PROVENANCE },
       terminated: outcome.terminated,
       truncated: outcome.truncated,
       stepCount: episode.stepCount,
@@ -176,9 +176,9 @@ class Environments {
     if (request.target === "episodeId") {
       const episode = this.get(request.episodeId);
       if (episode.done) {
-        return { reward: { value: episode.reward, components: { digit_fraction: episode.reward }, status: "REWARD_STATUS_SCORED" } };
+        return { reward: { value: episode.reward, components: { digit_fraction: episode.reward }, status: "REWARD_STATUS_SCORED", provenance: digits.PROVENANCE } };
       }
-      return { reward: { value: 0, status: "REWARD_STATUS_UNSCORED", detail: "the episode has not terminated yet (0 steps)" } };
+      return { reward: { value: 0, status: "REWARD_STATUS_UNSCORED", detail: "the episode has not terminated yet (0 steps)", provenance: digits.PROVENANCE } };
     }
     if (request.target === "trajectory") {
       const trajectory = request.trajectory;
@@ -187,7 +187,7 @@ class Environments {
         throw fail(S.INVALID_ARGUMENT, "INVALID_REQUEST", "a trajectory message has role ROLE_UNSPECIFIED; set each message's role");
       }
       const value = digits.rescore(trajectory.messages);
-      return { reward: { value, components: { digit_fraction: value }, status: "REWARD_STATUS_SCORED" } };
+      return { reward: { value, components: { digit_fraction: value }, status: "REWARD_STATUS_SCORED", provenance: digits.PROVENANCE } };
     }
     throw fail(S.INVALID_ARGUMENT, "INVALID_REQUEST", "VerifyRequest names nothing to grade: set episode_id or trajectory");
   }
@@ -204,7 +204,7 @@ class Environments {
         limits: { maxReceiveMessageBytes: MAX_MESSAGE_BYTES, maxSendMessageBytes: MAX_MESSAGE_BYTES },
       },
       environments: [{
-        name: ENV_NAME, description: digits.DESCRIPTION, tools: [digits.SUBMIT_ANSWER],
+        name: ENV_NAME, description: digits.DESCRIPTION, tools: [digits.SUBMIT_ANSWER], provenance: digits.PROVENANCE,
         splits: Object.entries(digits.SPLIT_SIZES).map(([name, size]) => ({ name, size })),
       }],
       limits: {

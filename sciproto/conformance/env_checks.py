@@ -48,6 +48,11 @@ def reply(text: str = "42") -> common_pb2.ChatMessage:
     return common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=text)
 
 
+def _minor(version: str) -> int:
+    parts = version.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
 class SessionProbe:
     """One Session stream: send an operation, wait for its answer (heartbeats skipped)."""
 
@@ -435,6 +440,30 @@ class EnvChecks:
             await session.cancel()
         return episode
 
+    async def provenance(self) -> str:
+        described = self._require_describe()
+        if _minor(described.server.protocol_version) < 2:
+            raise Skipped(f"protocol {described.server.protocol_version} predates provenance (1.2)")
+        info = next(env for env in described.environments if env.name == self.env)
+        expected = info.provenance
+        check(expected.environment == self.env and expected.environment_version and expected.grader_version,
+              f"EnvironmentInfo.provenance of {self.env!r} is incomplete: {expected}")
+        first, again = await self.reset(), await self.reset()
+        check(first.task_id, "ResetResponse.task_id is empty")
+        check(first.task_id == again.task_id, f"one task got two task_ids: {first.task_id}, {again.task_id}")
+        if self.split.unbounded or self.split.size > 1:
+            other = await self.reset(1)
+            check(other.task_id != first.task_id, f"tasks 0 and 1 share task_id {first.task_id}")
+            await self.close(other.episode_id)
+        step = await self.step(first.episode_id)
+        verified = await self.verify_episode(first.episode_id)
+        for what, reward in (("Step", step.reward), ("Verify", verified.reward)):
+            check(reward.provenance == expected, f"the {what} reward's provenance {reward.provenance} is not "
+                                                 f"EnvironmentInfo's {expected}")
+        for reset in (first, again):
+            await self.close(reset.episode_id)
+        return f"{expected.environment_version} / {expected.grader_version}; task_id {first.task_id}"
+
     async def session_cancel(self) -> str:
         described = self._require_describe()
         if "session.cancel" not in described.server.capabilities:
@@ -579,6 +608,7 @@ class EnvChecks:
             ("session_cancel", self.session_cancel),
             ("session_max_in_flight", self.session_max_in_flight),
             ("verify_stored_trajectory", self.verify_stored_trajectory),
+            ("provenance_and_task_id", self.provenance),
             ("backpressure", self.backpressure),
         ]
 

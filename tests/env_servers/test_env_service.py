@@ -365,3 +365,27 @@ async def test_undecodable_session_frame_ends_the_stream_with_invalid_argument(e
     assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid message" in ended.value.details()
     assert await wait_for_live_episodes(env_server.target, before) == before
+
+
+async def test_rewards_and_environments_carry_provenance_and_tasks_a_stable_id(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        described = {env.name: env for env in (await client.describe()).environments}
+        first = await client.reset("gsm8k", split="test", index=2)
+        again = await client.reset("gsm8k", split="test", index=2)
+        other = await client.reset("gsm8k", split="test", index=3)
+        step = await client.step(first.episode_id, submit("1"))
+        verified = await client.verify(first.episode_id)
+        stored = await client.verify(trajectory=env_pb2.StoredTrajectory(
+            env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=2), messages=[submit("1")]))
+        inline_fields = {"question": "What is 6 * 7?", "answer": "#### 42"}
+        inline = await client.reset("gsm8k", inline=inline_fields)
+        for reset in (first, again, other, inline):
+            await client.close(reset.episode_id)
+    gsm8k = described["gsm8k"].provenance
+    assert gsm8k.environment == "gsm8k" and gsm8k.environment_version.startswith("gsm8k/1+aviary-")
+    assert gsm8k.grader_version and described["notebook"].provenance.environment == "notebook"
+    for reward in (step.reward, verified.reward, stored.reward):
+        assert reward.provenance == gsm8k
+    assert first.task_id == again.task_id != other.task_id
+    assert first.task_id.startswith("gsm8k:") and len(first.task_id) == len("gsm8k:") + 16
+    assert inline.task_id.startswith("gsm8k:") and inline.task_id not in (first.task_id, other.task_id)

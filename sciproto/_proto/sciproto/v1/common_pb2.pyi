@@ -221,6 +221,7 @@ class Reward(_message.Message):
     COMPONENTS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     value: _builtins.float
     """Total reward, unitless, as the environment defines it."""
     status: Global___RewardStatus.ValueType
@@ -231,6 +232,12 @@ class Reward(_message.Message):
     def components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Named parts that make up `value` (for example "correct", "format")."""
 
+    @_builtins.property
+    def provenance(self) -> Global___Provenance:
+        """Which environment and grader produced this reward (protocol 1.2); unset from
+        1.1 servers.
+        """
+
     def __init__(
         self,
         *,
@@ -238,14 +245,51 @@ class Reward(_message.Message):
         components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         status: Global___RewardStatus.ValueType = ...,
         detail: _builtins.str = ...,
+        provenance: Global___Provenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["components", b"components", "detail", b"detail", "status", b"status", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["components", b"components", "detail", b"detail", "provenance", b"provenance", "status", b"status", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Reward: _TypeAlias = Reward  # noqa: Y015
+
+@_typing.final
+class Provenance(_message.Message):
+    """Versions of what judged an agent (protocol 1.2), so that rewards from different
+    versions of an environment or its grader are never mixed up.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_VERSION_FIELD_NUMBER: _builtins.int
+    GRADER_VERSION_FIELD_NUMBER: _builtins.int
+    environment: _builtins.str
+    """Environment name, as in EnvironmentInfo.name."""
+    environment_version: _builtins.str
+    """Version of the environment (its tasks, tools and dynamics); changes whenever
+    the same actions could lead to different observations.
+    """
+    grader_version: _builtins.str
+    """Version of the grader; changes whenever the same trajectory could get a
+    different reward.
+    """
+    def __init__(
+        self,
+        *,
+        environment: _builtins.str = ...,
+        environment_version: _builtins.str = ...,
+        grader_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment", "environment_version", b"environment_version", "grader_version", b"grader_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Provenance: _TypeAlias = Provenance  # noqa: Y015
 
 @_typing.final
 class VersionSpan(_message.Message):

@@ -95,6 +95,7 @@ class EnvironmentInfo(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SPLITS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name used in ResetRequest.env."""
     description: _builtins.str
@@ -107,6 +108,12 @@ class EnvironmentInfo(_message.Message):
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]:
         """Tools the agent gets (known once an episode of this environment has been reset)."""
 
+    @_builtins.property
+    def provenance(self) -> _common_pb2.Provenance:
+        """Environment and grader versions (protocol 1.2); every Reward of this
+        environment carries the same.
+        """
+
     def __init__(
         self,
         *,
@@ -114,10 +121,11 @@ class EnvironmentInfo(_message.Message):
         description: _builtins.str = ...,
         splits: _abc.Iterable[Global___SplitInfo] | None = ...,
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
+        provenance: _common_pb2.Provenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,8 +431,15 @@ class ResetResponse(_message.Message):
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     TASK_SUMMARY_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Id to pass to Step, Verify and Close."""
+    task_id: _builtins.str
+    """Stable identifier of the task (protocol 1.2): the same task gets the same id
+    whatever split or index it is reached by and however the dataset is ordered
+    (a dataset's own id, or a digest of the task's content); inline tasks get a
+    digest of their fields. TaskRef's split and index are positions, not ids.
+    """
     @_builtins.property
     def observations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """First observations (system prompt, task) in order."""
@@ -444,10 +459,11 @@ class ResetResponse(_message.Message):
         observations: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
         task_summary: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        task_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "observations", b"observations", "task_summary", b"task_summary", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "observations", b"observations", "task_id", b"task_id", "task_summary", b"task_summary", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
