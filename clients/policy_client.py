@@ -30,6 +30,17 @@ MiB = 1024 * 1024
 UPDATE_WEIGHTS = "/sciproto.v1.PolicyService/UpdateWeights"
 
 
+def text_only(message: common_pb2.ChatMessage) -> common_pb2.ChatMessage:
+    """`message` without its typed parts: its text (`content`) alone, for a model that takes
+    text only (a policy server refuses image parts it cannot see)."""
+    if not message.parts:
+        return message
+    plain = common_pb2.ChatMessage()
+    plain.CopyFrom(message)
+    plain.ClearField("parts")
+    return plain
+
+
 def generate_request(
     *,
     messages: Sequence[common_pb2.ChatMessage] = (),

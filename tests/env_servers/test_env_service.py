@@ -389,3 +389,19 @@ async def test_rewards_and_environments_carry_provenance_and_tasks_a_stable_id(e
     assert first.task_id == again.task_id != other.task_id
     assert first.task_id.startswith("gsm8k:") and len(first.task_id) == len("gsm8k:") + 16
     assert inline.task_id.startswith("gsm8k:") and inline.task_id not in (first.task_id, other.task_id)
+
+
+async def test_a_notebook_figure_comes_back_as_an_image_part(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        reset = await session.reset("notebook", split="test", index=3)
+        plot = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.title('squares')\nplt.show()"
+        step = await session.step(reset.episode_id, edit_cell(plot))
+        await session.close(reset.episode_id)
+    with_parts = [message for message in step.observations if message.parts]
+    assert with_parts, [message.content[:200] for message in step.observations]
+    parts = with_parts[-1].parts
+    images = [part.image for part in parts if part.WhichOneof("part") == "image"]
+    assert images and images[0].mime_type == "image/png" and images[0].data.startswith(b"\x89PNG\r\n\x1a\n")
+    texts = [part.text for part in parts if part.WhichOneof("part") == "text"]
+    assert with_parts[-1].content == "\n".join(texts)  # the text parts, without the image's base64
+    assert "base64" not in with_parts[-1].content and len(with_parts[-1].content) < 20_000
