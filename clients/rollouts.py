@@ -29,6 +29,7 @@ reward is 0 only as a placeholder and `error` says what failed.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,12 +89,35 @@ class ToolCallRecord(BaseModel):
     arguments: str = Field(description="JSON object as text, verbatim as the model wrote it")
 
 
+class PartRecord(BaseModel):
+    """One typed part of a message's content (ChatMessage.parts): text, an image (its bytes in
+    base64, as JSON holds no bytes) or a file reference."""
+
+    type: Literal["text", "image", "file"]
+    text: str = ""
+    mime_type: str = ""
+    data_base64: str = Field("", description="image bytes, base64 (standard alphabet, padded)")
+    uri: str = Field("", description="file: where it is (workspace path or URI)")
+
+    @classmethod
+    def from_pb(cls, part: common_pb2.ContentPart) -> PartRecord:
+        kind = part.WhichOneof("part")
+        if kind == "image":
+            return cls(type="image", mime_type=part.image.mime_type,
+                       data_base64=base64.b64encode(part.image.data).decode())
+        if kind == "file":
+            return cls(type="file", uri=part.file.uri, mime_type=part.file.mime_type)
+        return cls(type="text", text=part.text)
+
+
 class MessageRecord(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
     tool_call_id: str = ""
     name: str = ""
+    parts: list[PartRecord] = Field(default_factory=list, description="typed parts, when the message has more "
+                                                                      "than text (content holds its text)")
 
     @classmethod
     def from_pb(cls, message: common_pb2.ChatMessage) -> MessageRecord:
@@ -105,6 +129,7 @@ class MessageRecord(BaseModel):
             tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls],
             tool_call_id=message.tool_call_id,
             name=message.name,
+            parts=[PartRecord.from_pb(part) for part in message.parts],
         )
 
 

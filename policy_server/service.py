@@ -33,6 +33,7 @@ from policy_server.weights_stream import (
     DTYPE_TO_PROTO,
     WeightsReceiver,
     check_header,
+    check_provenance,
     parse_request,
 )
 from sciproto.errors import (
@@ -62,6 +63,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._config = config
         self._active: set[object] = set()  # one token per running Generate call
         self._update_lock = asyncio.Lock()
+        self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
 
     # -- Describe ----------------------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             dtype=DTYPE_TO_PROTO.get(info.dtype, policy_pb2.TENSOR_DTYPE_UNSPECIFIED),
             quantization=info.quantization, max_context_tokens=info.max_context,
             policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
-            active_requests=len(self._active),
+            active_requests=len(self._active), weights_run_id=self._weights_run_id,
         )
 
     # -- Generate ----------------------------------------------------------------------------------
@@ -149,16 +151,20 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                             span: Span) -> policy_pb2.UpdateWeightsResponse:
         """Receive the data chunks of an update whose header came first, and apply it."""
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
+        digest = check_provenance(header.provenance, self._backend.info().model)
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
-            if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
-                receiver.write(message)
-                continue
-            if message.WhichOneof("chunk") != "data":
-                raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
-                                      "must be data chunks", Reason.INVALID_REQUEST)
-            receiver.write(message.data)
+            if not isinstance(message, memoryview):  # else a data chunk, read without parsing (parse_request)
+                if message.WhichOneof("chunk") != "data":
+                    raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
+                                          "must be data chunks", Reason.INVALID_REQUEST)
+                message = memoryview(message.data)
+            receiver.write(message)
+            if digest is not None:
+                digest.write(message)
         tensors = receiver.finish()
+        if digest is not None:
+            digest.finish()  # before the swap: a corrupted update never serves
         running_before = set(self._active)
         start = time.perf_counter()
         try:
@@ -166,6 +172,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         except ValueError as error:
             raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
         apply_seconds = time.perf_counter() - start
+        self._weights_run_id = header.provenance.run_id
         span.set_attribute(WEIGHTS_BYTES, receiver.received)
         return policy_pb2.UpdateWeightsResponse(
             policy_version=self._backend.info().policy_version,
