@@ -110,7 +110,7 @@ class WeightGroup:
         if name is None:
             try:
                 name = self._connect().get(GENERATION_KEY).decode()
-            except Exception:  # a stale connection to a restarted learner: connect again once
+            except (RuntimeError, OSError):  # a stale connection to a restarted learner: connect once more
                 self._store = None
                 name = self._connect().get(GENERATION_KEY).decode()
         if name == self.generation and self._group is not None:

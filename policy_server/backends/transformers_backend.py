@@ -29,7 +29,6 @@ from policy_server.backends.sampling import sample_next_tokens
 from policy_server.models import LoadedModel
 from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
-from policy_server.weight_group import CollectiveRendezvous, WeightGroup
 from policy_server.types import (
     BackendInfo,
     FinishReason,
@@ -42,6 +41,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from policy_server.weight_group import CollectiveRendezvous, WeightGroup
 
 
 @dataclass

@@ -26,7 +26,7 @@ def wheel() -> Path:
 
 def test_the_extra_pins_the_checked_release():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(rf'^vllm = \["vllm=={re.escape(vllm_api.VLLM_RELEASE)}"\]', pyproject, re.M)
+    assert re.search(rf'^vllm = \["vllm=={re.escape(vllm_api.VLLM_RELEASE)}"\]', pyproject, re.MULTILINE)
 
 
 def test_every_use_exists_in_the_pinned_release(wheel):

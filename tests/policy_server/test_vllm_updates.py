@@ -19,7 +19,13 @@ from policy_server.backends.vllm_backend import VllmBackend, VllmOptions, VllmTy
 from policy_server.config import PolicyServerConfig
 from policy_server.models import load_model
 from policy_server.service import PolicyServicer, register
-from policy_server.types import GenerationRequest, SampleResult, SamplingParams, TensorSpec, VersionSpan
+from policy_server.types import (
+    GenerationRequest,
+    SampleResult,
+    SamplingParams,
+    TensorSpec,
+    VersionSpan,
+)
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 from sciproto.server import ServerConfig, Service, start_server
 
