@@ -18,8 +18,9 @@ push forms a new group, since a group that lost a member cannot be trusted.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
@@ -103,7 +104,7 @@ class CollectiveWeightPusher:
         header.transport = policy_pb2.WEIGHT_TRANSPORT_NCCL
         self._transfer.prepare()
         calls = [asyncio.ensure_future(self._send_header(stub, header)) for stub in self._stubs]
-        transfer = asyncio.ensure_future(asyncio.to_thread(self._transfer.send, tensors))
+        transfer = _in_daemon_thread(self._transfer.send, tensors)
         self._sending = transfer
         # A server that refuses the header never joins the broadcast, which would then wait for
         # it until the timeout: stop at the first failure, whichever side it comes from.
@@ -154,6 +155,35 @@ class CollectiveWeightPusher:
                                             timeout=self.timeout_s)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+
+
+def _in_daemon_thread(function: Callable[..., object], *args: object) -> asyncio.Future:
+    """Run `function` in a thread of its own whose result is an asyncio future. A daemon thread:
+    a collective whose peer died may block past every timeout (NCCL has none), and it must not
+    keep the learner's process alive after it exits."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: object, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome: tuple[object, BaseException | None] = (function(*args), None)
+        except BaseException as error:  # noqa: BLE001 -- handed to the awaiting push
+            outcome = (None, error)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed while the collective was blocked: nobody waits
+            pass
+
+    threading.Thread(target=run, name="weight-broadcast", daemon=True).start()
+    return future
 
 
 def build_gloo_pusher(targets: Sequence[str], nccl: Mapping[str, object], timeout_s: float,

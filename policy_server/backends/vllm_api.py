@@ -114,7 +114,7 @@ BACKEND: list[Use] = [
 
 # What learner/vllm_sync.py uses.
 LEARNER: list[Use] = [
-    Call(f"{TRANSFER}.nccl_common:trainer_init", positional=1),
+    Call(f"{TRANSFER}.nccl_common:trainer_init", positional=1, keywords=("rank",)),
     Call(f"{TRANSFER}.packed_tensor:packed_nccl_broadcast_producer", keywords=(
         "iterator", "group", "src", "post_iter_func", "buffer_size_bytes", "num_buffers")),
     Member(f"{TRANSFER}.packed_tensor:DEFAULT_PACKED_BUFFER_SIZE_BYTES"),

@@ -71,6 +71,43 @@ def _collective_rpc_methods(path: Path) -> set[str]:
             and node.args and isinstance(node.args[0], ast.Constant)}
 
 
+def _calls(path: Path) -> list[tuple[str, int, set[str]]]:
+    """(target, positional count, keyword names) of each call on `self._engine` or on a module
+    bound from import_vllm, as the manifest names targets."""
+    tree = ast.parse(path.read_text())
+    bound = {node.targets[0].id: node.value.args[0].value for node in ast.walk(tree)
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+             and getattr(node.value.func, "id", "") == "import_vllm" and node.value.args
+             and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
+    calls = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        if isinstance(owner, ast.Attribute) and owner.attr == "_engine":
+            target = f"{vllm_api.ASYNC_LLM}.{node.func.attr}"
+        elif isinstance(owner, ast.Name) and owner.id in bound:
+            target = f"{bound[owner.id]}:{node.func.attr}"
+        else:
+            continue
+        calls.append((target, len(node.args), {k.arg for k in node.keywords if k.arg}))
+    return calls
+
+
+def test_every_vllm_call_in_the_code_is_listed_with_its_arguments():
+    listed = {use.target: use for use in vllm_api.USES if isinstance(use, vllm_api.Call)}
+    built = {use.target for use in vllm_api.USES if isinstance(use, vllm_api.Fields)}  # Class(**fields)
+    for path in (ROOT / "policy_server/backends/vllm_backend.py", ROOT / "learner/vllm_sync.py"):
+        for target, positional, keywords in _calls(path):
+            if target in built and not positional:
+                continue
+            use = listed.get(target)
+            assert use is not None, f"{path.name} calls {target}, which vllm_api does not list"
+            assert positional <= use.positional and keywords <= set(use.keywords), (
+                f"{path.name} calls {target} with {positional} positional and {sorted(keywords)}; "
+                f"vllm_api lists {use.positional} and {sorted(use.keywords)}")
+
+
 def test_every_vllm_call_in_the_code_is_listed():
     backend = ROOT / "policy_server/backends/vllm_backend.py"
     sync = ROOT / "learner/vllm_sync.py"
