@@ -83,6 +83,9 @@ class Engine:
     async def finish_weight_update(self, weight_version=None) -> None:
         self.calls.append(f"finish:{weight_version}")
 
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.calls.append("shutdown_weight_transfer_engine")
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
@@ -190,3 +193,41 @@ async def test_the_server_is_not_serving_while_the_weights_are_unavailable(engin
             assert status.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await running.stop()
+
+
+async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
+    """Through the gRPC service: the header-only stream joins vLLM's group once, then each update
+    asks every worker for the header's tensors, in header order, with a timeout on each call."""
+    rpcs: list[tuple[str, float | None, dict | None]] = []
+
+    async def collective_rpc(method, timeout=None, args=(), kwargs=None):
+        rpcs.append((method, timeout, kwargs))
+
+    engine.collective_rpc = collective_rpc
+    manifest = [TensorSpec("b", (3,), "bfloat16"), TensorSpec("a", (2, 2), "float32")]
+    options = VllmOptions(stall_timeout_s=30, nccl={"master_address": "127.0.0.1", "master_port": 29650,
+                                                     "world_size": 2, "timeout_s": 20})
+    types = VllmTypes(sampling_params=lambda **kwargs: SimpleNamespace(**kwargs), delta_kind="DELTA")
+    backend = VllmBackend(engine, load_model("tiny", seed=0).tokenizer, "tiny", "float32", options, manifest,
+                          frozenset(), 512, types)
+    servicer = PolicyServicer(backend, backend.prompt_token_ids, PolicyServerConfig())
+    running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
+    header = policy_pb2.WeightsHeader(total_bytes=22, transport=policy_pb2.WEIGHT_TRANSPORT_NCCL, tensors=[
+        policy_pb2.TensorSpec(name="a", shape=[2, 2], dtype=policy_pb2.TENSOR_DTYPE_FLOAT32),
+        policy_pb2.TensorSpec(name="b", shape=[3], dtype=policy_pb2.TENSOR_DTYPE_BFLOAT16)])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            policy = policy_grpc.PolicyServiceStub(channel)
+            for version in (1, 2):
+                header.policy_version = version
+                reply = await policy.UpdateWeights(iter([policy_pb2.UpdateWeightsRequest(header=header)]), timeout=10)
+                assert reply.policy_version == version
+    finally:
+        await running.stop()
+    assert [method for method, _, _ in rpcs] == ["init_weight_transfer_engine", "update_weights", "update_weights"]
+    assert rpcs[0][2] == {"init_info": {"master_address": "127.0.0.1", "master_port": 29650, "rank_offset": 1,
+                                        "world_size": 2, "packed": True}}
+    assert rpcs[1][2] == {"update_info": {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"],
+                                          "shapes": [[2, 2], [3]]}}
+    assert all(timeout == 20 for _, timeout, _ in rpcs)
+    assert engine.calls[-2:] == ["shutdown_weight_transfer_engine", "shutdown"]
