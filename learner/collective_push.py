@@ -80,11 +80,12 @@ class CollectiveWeightPusher:
     """A WeightPusher (see learner.weight_push) whose tensors travel over `transfer`."""
 
     def __init__(self, targets: Sequence[str], transfer: Transfer, timeout_s: float,
-                 access: ServerAccess | None = None) -> None:
+                 access: ServerAccess | None = None, answer_wait_s: float = 15.0) -> None:
         if not targets:
             raise ValueError("a collective weight push needs policy_targets: the servers that receive the weights")
         self.targets = list(targets)
         self.timeout_s = timeout_s
+        self.answer_wait_s = min(answer_wait_s, timeout_s)  # after a failure, for the servers' own errors
         self._transfer = transfer
         access = access or ServerAccess()
         self._channels = [make_channel(access.channel(target)) for target in self.targets]
@@ -115,6 +116,8 @@ class CollectiveWeightPusher:
             failed = len(finished) < len(calls) or any(call.exception() is not None for call in calls)
         if failed:
             self._transfer.failed()
+            # each server answers once its own timeouts end; wait a little for what it says
+            await asyncio.wait(calls, timeout=self.answer_wait_s)
             for call in calls:
                 call.cancel()
             await asyncio.wait(calls, timeout=1.0)

@@ -114,3 +114,24 @@ async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_oth
         await asyncio.wait_for(pusher.aclose(), 60)
         for generator in (first, second):
             generator.close()
+
+
+async def test_a_rank_that_never_joins_fails_the_push_after_the_timeout():
+    port = _free_port()
+    rendezvous = _rendezvous(port).model_copy(update={"timeout_s": 3.0})  # rank 2 never comes
+    generator = policy_server_process(*_server_flags(rendezvous))
+    server = next(generator)
+    pusher = CollectiveWeightPusher([server.target], GlooTransfer(rendezvous), timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            await pusher.push(dict(reference_model(seed=1).model.state_dict()), 1)
+        report = str(failed.value)
+        assert "did not form within 3 s" in report
+        assert f"{server.target}: " in report and "old weights keep serving" in report
+        assert await pusher.serving_versions() == [0]
+        assert await _health(server.target) == health_pb2.HealthCheckResponse.SERVING
+        tokens, logprobs = await _greedy(server.target)
+        assert _served_by(3, tokens, logprobs)  # the server's own weights (seed 3), untouched
+    finally:
+        await asyncio.wait_for(pusher.aclose(), 60)
+        generator.close()
