@@ -20,6 +20,7 @@ own NCCL group instead (`policy_server.backends.vllm_backend`); the rules are th
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,8 @@ from policy_server.types import TensorSpec
 from policy_server.weights_stream import MiB, WeightsReceiver, chunk_parts
 
 GENERATION_KEY = "sciproto/weights/generation"
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveRendezvous(BaseModel):
@@ -80,6 +83,7 @@ class WeightGroup:
         self._store: Any = None
         self._group: Any = None
         self.generation = ""  # the name of the group held, "" when none
+        self._formed: set[str] = set()  # names of the groups this member formed (or tried to)
         self._session = secrets.token_hex(6)
         self._attempts = 0
 
@@ -116,6 +120,10 @@ class WeightGroup:
         if name == self.generation and self._group is not None:
             return
         self.discard()
+        if name in self._formed:  # its store keys are spent: a group forms once under a name
+            raise RuntimeError(f"the weight-transfer group {name} broke on this side; the learner names a new "
+                               "group on its next push")
+        self._formed.add(name)
         try:
             store = dist.PrefixStore(f"sciproto/weights/{name}/", self._connect())
             self._group = dist.ProcessGroupGloo(store, self.rank, self.rendezvous.world_size, self._timeout)
@@ -123,6 +131,7 @@ class WeightGroup:
             raise TimeoutError(f"the weight-transfer group {name} did not form within {self.rendezvous.timeout_s:.0f} s "
                                f"(rank {self.rank} of {self.rendezvous.world_size}): {error}") from error
         self.generation = name
+        log.info("joined weight-transfer group %s as rank %d of %d", name, self.rank, self.rendezvous.world_size)
 
     def discard(self) -> None:
         """Drop the group (after a failure: the next update forms a new one)."""

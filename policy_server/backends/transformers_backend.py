@@ -242,6 +242,8 @@ class TransformersBackend:
         if self._closed:
             return
         self._closed = True
+        if self._weight_group is not None:
+            self._weight_group.close()
         if self._thread is not None:
             self._inbox.put(_CLOSE)
             await asyncio.to_thread(self._thread.join, self._stall_timeout_s)
