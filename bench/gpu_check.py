@@ -23,6 +23,7 @@ import asyncio
 import copy
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -108,9 +109,7 @@ async def update_weights_check(config: dict, device: str, repeats: int) -> dict:
     served = build_model(config, device).to(torch.bfloat16)
     backend = TransformersBackend(_Loaded(served, tokenizer))
     servicer = PolicyServicer(backend, lambda request: list(request.prompt_token_ids), PolicyServerConfig())
-    running = await start_server(ServerConfig(port=0, max_message_bytes=64 * 2**20) if "max_message_bytes" in
-                                 ServerConfig.model_fields else ServerConfig(port=0),
-                                 [Service(POLICY_SERVICE, servicer, register)])
+    running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
     try:
         weights = {name: p.detach().clone() for name, p in build_model(config, device, seed=1)
                    .to(torch.bfloat16).named_parameters()}
@@ -190,6 +189,7 @@ def learner_check(config: dict, device: str, precisions: list[str], steps: int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="every part on the CPU with a small model")
+    parser.add_argument("--budget-s", type=int, default=480, help="stop and print what was measured after this long")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/gpu_check.py: no CUDA device here; run it on a GPU, or pass --dry-run to check the "
@@ -200,14 +200,27 @@ def main() -> int:
     started = time.perf_counter()
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
                     "torch": torch.__version__, "dry_run": args.dry_run}
-    report["backend"] = asyncio.run(backend_check(device))
-    report["update_weights"] = asyncio.run(update_weights_check(config, device, repeats=2 if args.dry_run else 3))
-    precisions = ["bf16", "fp8-emulated"] if args.dry_run else ["bf16", "fp8"]
-    shape = (8, 24, 2, 2) if args.dry_run else (64, 448, 4, 4)
-    report["learner"] = learner_check(config, device, precisions, steps=2 if args.dry_run else 4, shape=shape)
+
+    def out_of_time(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the run passed its budget of {args.budget_s} s")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(args.budget_s)
+    status = 0
+    try:
+        report["backend"] = asyncio.run(backend_check(device))
+        report["update_weights"] = asyncio.run(update_weights_check(config, device, repeats=2 if args.dry_run else 3))
+        precisions = ["bf16", "fp8-emulated"] if args.dry_run else ["bf16", "fp8"]
+        shape = (8, 24, 2, 2) if args.dry_run else (64, 448, 4, 4)
+        report["learner"] = learner_check(config, device, precisions, steps=2 if args.dry_run else 4, shape=shape)
+    except Exception as error:  # noqa: BLE001 -- reported with what was measured before it
+        report["error"] = f"{type(error).__name__}: {error}"
+        status = 1
+    finally:
+        signal.alarm(0)
     report["seconds"] = time.perf_counter() - started
     print(json.dumps(report, indent=2))
-    return 0
+    return status
 
 
 if __name__ == "__main__":
