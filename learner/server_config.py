@@ -66,9 +66,10 @@ class LearnerServerConfig(BaseModel):
     push_timeout_s: float = Field(
         300.0, gt=0, description="Longest a weight push to one server may take"
     )
-    push_transport: Literal["grpc", "nccl"] = Field(
+    push_transport: Literal["grpc", "nccl", "gloo"] = Field(
         "grpc",
-        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync)",
+        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync); "
+        "gloo: the same over a CPU gloo group (learner.collective_push)",
     )
     nccl: dict[str, Any] = Field(
         default_factory=dict, description="Options of the NCCL weight transfer"
