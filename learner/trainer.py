@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -12,7 +13,6 @@ from torch import nn
 
 from learner.config import GRPOConfig
 from learner.distributed import all_reduce, current_context, full_state_dict, shard_model
-from learner.fp8 import apply_precision
 from learner.grpo import (
     STAT_NAMES,
     MicroBatch,
@@ -22,6 +22,7 @@ from learner.grpo import (
     prepare_batch,
     split_micro_batches,
 )
+from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.types import RolloutGroup
 
@@ -79,7 +80,9 @@ class GRPOTrainer:
 
     `model` is a causal LM called as model(input_ids=, attention_mask=) returning logits (or an
     object with .logits), already on its training device. Under torchrun (world size > 1, process
-    group initialised) the model is sharded with FSDP2 here.
+    group initialised) the model is sharded with FSDP2 here. Its weights and the optimizer state
+    are fp32 in every precision (learner/precision.py); `push_dtype` is the dtype the policy
+    servers hold, which `state_dict_for_push` converts to (default: fp32).
     """
 
     def __init__(
@@ -89,8 +92,10 @@ class GRPOTrainer:
         *,
         reference_model: nn.Module | None = None,
         pad_token_id: int = 0,
+        push_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
+        self.push_dtype = push_dtype or torch.float32
         self.pad_token_id = pad_token_id
         self.context = current_context()
         torch.manual_seed(config.seed)
@@ -113,10 +118,14 @@ class GRPOTrainer:
         self.policy_version = 0
 
     def _prepare(self, model: nn.Module) -> nn.Module:
-        model = apply_precision(model, self.config.precision)
+        model = prepare_model(model, self.config.precision)
         if self.context.is_distributed:
-            model = shard_model(model, self.device.type)
+            model = shard_model(model, self.device.type, fsdp_policy(self.config.precision))
         return model
+
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """The precision of a forward pass (bf16 autocast in one process; see learner/precision.py)."""
+        return autocast(self.config.precision, self.device.type, sharded=self.context.is_distributed)
 
     def train_step(self, groups: list[RolloutGroup]) -> StepMetrics:
         """One optimizer step on these groups; every rank must pass the same groups."""
@@ -151,7 +160,8 @@ class GRPOTrainer:
         for sequences in micro_batches:
             batch = pad_right(sequences, self.pad_token_id).to(self.device)
             shared = self._shared_prefix(batch)
-            logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
+            with self.compute():
+                logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
             # One optimizer step per batch: pi_old is the current policy, so rho = 1 at this step
             # while the gradient still flows through pi_theta.
             old_logprobs = logprobs.detach()
@@ -224,13 +234,26 @@ class GRPOTrainer:
     def _reference_logprobs(self, batch: MicroBatch, shared: int) -> torch.Tensor | None:
         if self.reference_model is None:
             return None
-        with torch.no_grad():
+        with torch.no_grad(), self.compute():
             logprobs, _ = sequence_logprobs_and_entropy(self.reference_model, batch, shared)
         return logprobs
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """Full weights on CPU, named as in the model's state dict (empty on ranks other than 0).
+        """Full weights on CPU in `push_dtype`, named as in the model's state dict (empty on ranks
+        other than 0). Floating tensors are converted from the fp32 masters (a copy; the masters
+        are untouched); entries that share memory (tied embeddings) still share it afterwards.
 
         Collective under FSDP2: every rank must call it.
         """
-        return full_state_dict(self.model)
+        weights = full_state_dict(self.model)
+        converted: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        result = {}
+        for name, tensor in weights.items():
+            if not tensor.is_floating_point() or tensor.dtype == self.push_dtype:
+                result[name] = tensor
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key not in converted:
+                converted[key] = tensor.to(self.push_dtype)
+            result[name] = converted[key]
+        return result

@@ -281,3 +281,25 @@ async def test_a_killed_learner_resumes_from_its_checkpoint_without_counting_a_g
             assert (await describe(channel)).step == 1
     finally:
         server.stop()
+
+
+async def test_a_bf16_learner_pushes_what_a_bfloat16_policy_server_serves(tmp_path: Path) -> None:
+    """bf16 compute over fp32 masters; push_dtype auto asks the policy server (Describe) and the
+    push carries bfloat16, which the server accepts only in the dtype it holds."""
+    policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0", "--set", "dtype=bfloat16"])
+    learner = start_learner(learner_config(tmp_path / "run", policy, grpo={"lr": 1e-6, "precision": "bf16"}))
+    try:
+        async with make_channel(learner.target) as channel:
+            before = await describe(channel)
+            assert before.precision == "bf16"
+            stream = TrainStream(channel)
+            for number in range(BATCH_GROUPS):
+                await stream.send(make_group(f"bf16/{number}", before.policy_version, seed=number))
+            await stream.receipts(BATCH_GROUPS)
+            step = await stream.next("step")
+            assert step.weights_pushed
+            await stream.close()
+        assert await serving_version(policy) == step.policy_version
+    finally:
+        learner.stop()
+        policy.stop()
