@@ -26,6 +26,12 @@ class GRPOConfig(BaseModel):
     # tokens above the cap dropped ("mask"), or ignored ("off").
     is_cap: float = Field(default=2.0, gt=0)
     is_correction: Literal["truncate", "mask", "off"] = "truncate"
+    # Optimizer steps per batch (PPO/DAPO mini-batches): pi_old is computed once for the whole
+    # batch before the first step, then the batch is split in order into this many parts of about
+    # equal trained tokens, one AdamW step each; rho = pi_theta / pi_old is 1 only in the first,
+    # and the clip bounds the later ones. The policy version still grows by one per batch (one
+    # push). 1: a single step, where the clip never fires.
+    mini_batches: int = Field(default=1, ge=1)
     # Groups whose oldest trained token is more than this many versions old are dropped.
     max_staleness: int = Field(default=1, ge=0)
     # A prefix shared by every sequence of a micro-batch (the group's prompt) runs once when it
