@@ -43,6 +43,10 @@ class GRPOConfig(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0)
     # Reference KL penalty (k3 estimator); 0 keeps no reference model.
     kl_coef: float = Field(default=0.0, ge=0)
+    # DAPO's overlong filtering: a sample with a policy turn cut by its token limit (finish reason
+    # LENGTH) trains no token; its reward still counts in its group's mean and std. Off: such
+    # samples train like any other (StepMetrics counts them either way).
+    mask_truncated: bool = False
     # Train each assistant turn as its own sequence (long multi-turn episodes); same loss value.
     per_transition: bool = False
     seed: int = 0

@@ -55,6 +55,10 @@ class BatchPlan:
     groups_skipped_all_equal: int
     infra_error_samples: int
     unscored_samples: int
+    # SCORED samples with a policy turn cut by its token limit, and those of them left untrained
+    # (GRPOConfig.mask_truncated; only groups with signal train anything).
+    length_cut_samples: int = 0
+    truncated_masked_samples: int = 0
     scored_rewards: list[float] = field(default_factory=list)
 
 
@@ -122,20 +126,28 @@ def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
 
 
 def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPlan:
-    """Advantages per group over its SCORED samples; groups without signal are counted and skipped."""
+    """Advantages per group over its SCORED samples; groups without signal are counted and skipped.
+
+    With `mask_truncated`, a sample cut by its token limit keeps its place in the group's
+    statistics (A_i of the others is unchanged) but contributes no token to the loss or to N.
+    """
     sequences: list[TrainSequence] = []
-    skipped = infra = unscored = 0
+    skipped = infra = unscored = length_cut = masked = 0
     rewards: list[float] = []
     for group in groups:
         infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
         unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
         samples = scored_samples(group)
         rewards.extend(s.reward for s in samples)
+        length_cut += sum(s.cut_by_length for s in samples)
         advantages = group_advantages([s.reward for s in samples], config.adv_eps)
         if advantages is None:
             skipped += 1
             continue
         for sample, advantage in zip(samples, advantages):
+            if config.mask_truncated and sample.cut_by_length:
+                masked += 1
+                continue
             if sample.num_trained_tokens == 0:
                 continue  # nothing to train: it would only cost a forward pass
             parts = split_into_transitions(sample) if config.per_transition else [sample]
@@ -148,6 +160,8 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
         groups_skipped_all_equal=skipped,
         infra_error_samples=infra,
         unscored_samples=unscored,
+        length_cut_samples=length_cut,
+        truncated_masked_samples=masked,
         scored_rewards=rewards,
     )
 

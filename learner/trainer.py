@@ -58,6 +58,10 @@ class StepMetrics(BaseModel):
     frac_all_equal_groups: float = 0.0
     infra_error_samples: int = 0
     unscored_samples: int = 0
+    # SCORED samples with a policy turn cut by its token limit (finish reason LENGTH), and those
+    # of them trained on no token (GRPOConfig.mask_truncated, in groups with signal).
+    length_cut_samples: int = 0
+    truncated_masked_samples: int = 0
     sequences: int = 0
     # Forward/backward passes of the optimizer steps (the no-grad pi_old pass not counted).
     micro_batches: int = 0
@@ -158,6 +162,8 @@ class GRPOTrainer:
             "frac_all_equal_groups": plan.groups_skipped_all_equal / max(plan.groups, 1),
             "infra_error_samples": plan.infra_error_samples,
             "unscored_samples": plan.unscored_samples,
+            "length_cut_samples": plan.length_cut_samples,
+            "truncated_masked_samples": plan.truncated_masked_samples,
             "sequences": len(plan.sequences),
             "tokens": plan.num_tokens,
             **_reward_stats(plan.scored_rewards),
