@@ -29,8 +29,15 @@ from env_servers.envs.source import (
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 
 # Our split name -> (file in DATA_DIR, Aviary's GSM8kDatasetSplit). Aviary's "train" keeps 80% of
-# the training file; "train_full" keeps all of it, which is what a small shipped set wants.
-SPLITS = {"train": ("train.jsonl", "train_full"), "test": ("test.jsonl", "test")}
+# the training file; "train_full" keeps all of it, which is what a small shipped set wants. The
+# short splits (one-step problems, data/gsm8k/generate_short.py) are not files Aviary's dataset
+# reads (it knows only train and test): their CalculatorEnvs are built from the rows directly.
+SPLITS: dict[str, tuple[str, str | None]] = {
+    "train": ("train.jsonl", "train_full"),
+    "test": ("test.jsonl", "test"),
+    "short_train": ("short_train.jsonl", None),
+    "short_test": ("short_test.jsonl", None),
+}
 
 
 class GSM8kOptions(BaseModel):
@@ -124,21 +131,23 @@ class GSM8kSource(EnvironmentSource):
         self.options = options
         self._datasets: dict[str, GSM8kDataset] = {}
         self._loading = asyncio.Lock()
-        for file_name, _ in SPLITS.values():
-            if not (options.data_dir / file_name).is_file():
+        for split in ("train", "test"):
+            if not (options.data_dir / SPLITS[split][0]).is_file():
                 raise FileNotFoundError(
-                    f"gsm8k data file {options.data_dir / file_name} is missing; run"
+                    f"gsm8k data file {options.data_dir / SPLITS[split][0]} is missing; run"
                     " env_servers/data/gsm8k/generate.py or point data_dir at a GSM8K folder"
                 )
 
     @cached_property
     def _rows(self) -> dict[str, list[dict[str, str]]]:
+        """Rows of every split whose file is there (a GSM8K folder may lack the short splits)."""
         return {
             split: [
                 json.loads(line)
                 for line in (self.options.data_dir / file_name).read_text().splitlines()
             ]
             for split, (file_name, _) in SPLITS.items()
+            if (self.options.data_dir / file_name).is_file()
         }
 
     @property
@@ -149,12 +158,17 @@ class GSM8kSource(EnvironmentSource):
         async with self._loading:
             if split not in self._datasets:
                 aviary_split = SPLITS[split][1]
+                assert aviary_split is not None, f"split {split} is built from its rows"
                 self._datasets[split] = await asyncio.to_thread(
                     GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
                 )
         return self._datasets[split]
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
+        if SPLITS[split][1] is None:
+            row = self._rows[split][index]
+            return BoundedCalculatorEnv(problem_id=f"{split}_{index}", problem=row["question"],
+                                        answer=parse_answer_number(row["answer"]))
         env = (await self._dataset(split)).get_new_env_by_idx(index)
         return BoundedCalculatorEnv(env.problem_id, env.problem, env.answer, env.config)
 
