@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 REPORT_SCHEMA = "sciproto.eval/1"
 MANIFEST_FILE = "manifest.json"  # the learner's checkpoint layout (learner.checkpoint)
 WEIGHTS_FILE = "model.safetensors"
+TIED_ALIAS = "lm_head.weight"
 
 
 class EvalError(ValueError):
@@ -136,6 +137,29 @@ def base_model_of(checkpoint: Path, explicit: str | None) -> tuple[str, int]:
     return str(model), int(policy.get("seed", 0))
 
 
+def retie(weights: dict) -> dict:
+    """The checkpoint's weights with each tied parameter under one name again.
+
+    A checkpoint stores a tied parameter once per name, as equal copies (safetensors refuses shared
+    memory), while the policy server's manifest names it once: Hugging Face models tie the output
+    projection to the input embedding and list `lm_head.weight` as the alias. Of equal tensors of
+    one shape, the alias names are dropped (the first name is kept when none is an alias)."""
+    groups: dict[tuple, list[list[str]]] = {}
+    for name, tensor in weights.items():
+        flat = tensor.reshape(-1)
+        key = (tuple(tensor.shape), tensor.dtype, *flat[:4].tolist(), *flat[-4:].tolist())
+        twins = next((g for g in groups.get(key, []) if weights[g[0]].equal(tensor)), None)
+        if twins is None:
+            groups.setdefault(key, []).append([name])
+        else:
+            twins.append(name)
+    kept = {}
+    for group in (g for same_key in groups.values() for g in same_key):
+        originals = [n for n in group if not n.endswith(TIED_ALIAS)] or group
+        kept[originals[0]] = weights[originals[0]]
+    return kept
+
+
 @contextlib.asynccontextmanager
 async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Path | None = None
                            ) -> AsyncIterator[tuple[str, str]]:
@@ -153,8 +177,8 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
         timeout_s=settings.start_timeout_s, log_file=log_file, env=threads if settings.threads else None)
     try:
         dtype = getattr(torch, settings.dtype)
-        weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                   for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
+        weights = retie({name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                         for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()})
         client = PolicyClient(make_channel(process.target))
         try:
             await client.push_weights(weights, max(1, int(manifest.get("policy_version", 0))),

@@ -65,7 +65,9 @@ def wilson_interval(successes: float, trials: int, confidence: float = 0.95) -> 
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact ends: no rounding residue
+    high = 1.0 if successes >= trials else min(1.0, centre + half)
+    return low, high
 
 
 class Estimate(BaseModel):
