@@ -25,7 +25,8 @@ SEED = 20261201
 TRAIN_SIZE = 400
 TEST_SIZE = 100
 
-ANSWER_FORMAT = 'Answer with the tool call {"name": "submit_answer", "arguments": {"answer": "<number>"}}.'
+ANSWER_FORMAT = ('Reply with <tool_call>{"name": "submit_answer", "arguments": {"answer": "NUMBER"}}</tool_call>,'
+                 " writing the answer in place of NUMBER.")
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonah",
          "Keiko", "Liam", "Maya", "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara"]
