@@ -39,8 +39,15 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from clients.agent import Sampling, env_pool, policy_pool
-from clients.collect import ReplicaSettings, collect, parse_tasks, split_size, tasks_of, tasks_to_run
+from clients.agent import EnvPool, PolicyPool, Sampling, env_pool, policy_pool
+from clients.collect import (
+    ReplicaSettings,
+    collect,
+    parse_tasks,
+    split_size,
+    tasks_of,
+    tasks_to_run,
+)
 from clients.eval_report import EndReason, PassReport, analyse_pass, curriculum_of
 from clients.policy_client import PolicyClient
 from clients.retries import Deadlines, RetryPolicy
@@ -193,7 +200,7 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
 # ---------------------------------------------------------------------- passes
 
 
-async def run_pass(name: str, *, env, policy, env_name: str, split: str, count: int, samples: int,  # noqa: ANN001
+async def run_pass(name: str, *, env: EnvPool, policy: PolicyPool, env_name: str, split: str, count: int, samples: int,
                    sampling: Sampling, concurrency: int, config: EvalConfig, rollouts_path: Path | None
                    ) -> PassReport:
     """One pass over tasks 0..count-1 with `samples` each; its rollouts go to `rollouts_path`."""
@@ -293,7 +300,7 @@ def print_report(report: EvalReport, output: Path | None, console: Console | Non
     ]
     analyses = [p.reward_analysis for p in passes]
     if any(analyses):
-        def each(show) -> list[str]:  # noqa: ANN001
+        def each(show) -> list[str]:
             return [show(a) if a else "-" for a in analyses]
 
         rows += [("tasks with mixed outcomes (0 < p < 1)", each(lambda a: f"{a.frac_mixed:.3f}")),

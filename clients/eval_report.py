@@ -88,7 +88,7 @@ class Distribution(BaseModel):
         if not values:
             return cls(mean=0.0, p50=0.0, p90=0.0, max=0.0)
         ordered = sorted(values)
-        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
         return cls(mean=round(statistics.fmean(ordered), 3), p50=pick(0.5), p90=pick(0.9), max=ordered[-1])
 
 

@@ -180,7 +180,7 @@ class TrainConfig(BaseModel):
         # The learner must build exactly the weights the policy server starts from.
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
-        env, split = self.rollout.split()
+        env, _ = self.rollout.split()
         if self.rollout.curriculum is not None:
             curriculum = read_curriculum(self.rollout.curriculum)
             if curriculum.tasks != self.rollout.tasks:

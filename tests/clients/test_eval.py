@@ -156,8 +156,8 @@ def test_eval_command_errors_are_one_line(tmp_path: Path) -> None:
     neither = run()
     assert neither.returncode == 2
     assert neither.stderr.strip().splitlines() == [
-        "sciproto eval: EvalError: give either --policy HOST:PORT (a running server) or --checkpoint DIR,"
-        " not both or neither"]
+        ("sciproto eval: EvalError: give either --policy HOST:PORT (a running server) or --checkpoint DIR,"
+         " not both or neither")]
     missing = run("--checkpoint", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert "neither a checkpoint" in missing.stderr and "Traceback" not in missing.stderr

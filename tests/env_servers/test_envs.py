@@ -46,7 +46,7 @@ async def test_gsm8k_data_loads_through_aviary_loader() -> None:
             assert set(source.task_summary(split, index)) == {"question"}
 
 
-async def test_short_gsm8k_problems_are_one_step_graded_by_the_calculator_env(tmp_path) -> None:  # noqa: ANN001
+async def test_short_gsm8k_problems_are_one_step_graded_by_the_calculator_env(tmp_path) -> None:
     import importlib.util
     import shutil
 
