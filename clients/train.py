@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
+from clients.curriculum import read_curriculum
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import (
     FINISH_REASON_TO_PB,
@@ -121,6 +122,10 @@ class RolloutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tasks: str = Field("toy:train", description="ENV:SPLIT, cycled over")
+    curriculum: Path | None = Field(
+        None,
+        description="A curriculum file (`sciproto eval --write-curriculum`): cycle over its tasks of the split only",
+    )
     samples: int = Field(8, ge=2, description="Samples per task: one GRPO group")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
     max_groups_ahead: int | None = Field(
@@ -182,6 +187,13 @@ class TrainConfig(BaseModel):
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
         env, _ = self.rollout.split()
+        if self.rollout.curriculum is not None:
+            curriculum = read_curriculum(self.rollout.curriculum)
+            if curriculum.tasks != self.rollout.tasks:
+                raise ValueError(
+                    f"rollout.curriculum {self.rollout.curriculum} lists tasks of {curriculum.tasks},"
+                    f" but rollout.tasks is {self.rollout.tasks}"
+                )
         if env not in self.env.envs:
             raise ValueError(
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
@@ -377,12 +389,17 @@ async def run_rollouts_into_learner(
 
     async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
 
         async def tasks() -> AsyncIterator[TaskKey]:
             for number in itertools.count():
                 await flow.admit()
-                # Epochs over a bounded split; an unbounded one (any index is a task) never repeats.
-                yield TaskKey(env_name, split, number if size is None else number % size)
+                # Epochs over a bounded split (or the curriculum's tasks of it); an unbounded split
+                # (any index is a task) never repeats.
+                if chosen is not None:
+                    yield TaskKey(env_name, split, chosen[number % len(chosen)])
+                else:
+                    yield TaskKey(env_name, split, number if size is None else number % size)
 
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             async for group in collect(
