@@ -30,21 +30,21 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
 import grpc
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
-from tqdm import tqdm
 
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from clients.train_display import Progress
+from clients.train_flow import Flow
+from clients.train_processes import start_servers, stop_servers
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 from learner.server_config import LearnerServerConfig
@@ -53,7 +53,7 @@ from sciproto.channel import make_channel
 from sciproto.config import ConfigError, load_config
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, learner_grpc, learner_pb2
-from sciproto.processes import ServerProcess, start_server
+from sciproto.processes import ServerProcess
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,11 @@ class ProcessSettings(BaseModel):
     # thread each lets generation and training run side by side instead of fighting for cores.
     policy_threads: int = Field(0, ge=0)
     learner_threads: int = Field(0, ge=0)
+    # CPU cores each server may run on (taskset; empty: any). Giving generation (policy) and
+    # training (learner) cores of their own lets them overlap instead of time-sharing.
+    env_cpus: list[int] = Field(default_factory=list)
+    policy_cpus: list[int] = Field(default_factory=list)
+    learner_cpus: list[int] = Field(default_factory=list)
 
 
 class TrainConfig(BaseModel):
@@ -305,49 +310,6 @@ def budget_spent(budget: Budget, steps: Sequence[StepRecord]) -> str:
     return ""
 
 
-class _Flow:
-    """Counts that gate the rollout client: groups started vs consumed by the learner, and time
-    spent with nothing generating."""
-
-    def __init__(self, max_ahead: int) -> None:
-        self.max_ahead = max_ahead
-        self.started = 0
-        self.finished = 0
-        self.consumed = 0
-        self.changed = asyncio.Condition()
-        self.idle_s = 0.0
-        self._idle_since: float | None = time.monotonic()
-
-    def _mark(self) -> None:
-        now = time.monotonic()
-        in_flight = self.started - self.finished
-        if in_flight == 0 and self._idle_since is None:
-            self._idle_since = now
-        elif in_flight > 0 and self._idle_since is not None:
-            self.idle_s += now - self._idle_since
-            self._idle_since = None
-
-    async def admit(self) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.started - self.consumed < self.max_ahead)
-            self.started += 1
-            self._mark()
-
-    def group_finished(self) -> None:
-        self.finished += 1
-        self._mark()
-
-    async def consume(self, count: int) -> None:
-        async with self.changed:
-            self.consumed += count
-            self.changed.notify_all()
-
-    def total_idle_s(self) -> float:
-        return self.idle_s + (
-            time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
-        )
-
-
 async def run_rollouts_into_learner(
     config: TrainConfig,
     env_target: str,
@@ -360,7 +322,7 @@ async def run_rollouts_into_learner(
     """Stream rollout groups into the learner until the budget is spent or `stop` is set."""
     rollout = config.rollout
     env_name, split = rollout.split()
-    flow = _Flow(config.max_groups_ahead)
+    flow = Flow(config.max_groups_ahead)
     outcome = TrainOutcome(run_dir=str(run_dir))
     outgoing: asyncio.Queue[learner_pb2.TrainStepRequest] = asyncio.Queue()
     epochs: dict[TaskKey, int] = {}
@@ -497,101 +459,7 @@ async def final_checkpoint(
             raise from_rpc_error(error) from error
 
 
-# ---------------------------------------------------------------------- processes
-
-
-def write_component_config(config: TrainConfig, run_dir: Path, policy_target: str) -> Path:
-    """The resolved config every child reads its own section of."""
-    learner = config.learner.model_copy(
-        update={"policy_targets": [policy_target], "run_dir": run_dir}
-    )
-    resolved = config.model_copy(update={"learner": learner})
-    path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
-    return path
-
-
-def _threads_env(threads: int) -> dict[str, str] | None:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
-
-
-def start_servers(config: TrainConfig, run_dir: Path) -> dict[str, ServerProcess]:
-    """Env and policy servers (side by side), then the learner once the policy's port is known."""
-    processes: dict[str, ServerProcess] = {}
-    timeout_s = config.processes.start_timeout_s
-    base_path = run_dir / "config.yaml"
-    base_path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {
-                "env": pool.submit(
-                    start_server,
-                    ["serve", "env", "--config", str(base_path), "--port", "0"],
-                    timeout_s=timeout_s,
-                    log_file=run_dir / "env.log",
-                ),
-                "policy": pool.submit(
-                    start_server,
-                    ["serve", "policy", "--config", str(base_path), "--port", "0"],
-                    timeout_s=timeout_s,
-                    log_file=run_dir / "policy.log",
-                    env=_threads_env(config.processes.policy_threads),
-                ),
-            }
-            failures = []
-            for name, future in futures.items():
-                try:
-                    processes[name] = future.result()
-                except Exception as error:  # noqa: BLE001 - every failure is reported together below
-                    failures.append(f"{name}: {error}")
-            if failures:
-                raise RuntimeError("could not start the servers:\n" + "\n".join(failures))
-        path = write_component_config(config, run_dir, processes["policy"].target)
-        processes["learner"] = start_server(
-            ["serve", "learner", "--config", str(path), "--port", "0"],
-            timeout_s=timeout_s,
-            log_file=run_dir / "learner.log",
-            env=_threads_env(config.processes.learner_threads),
-        )
-    except BaseException:
-        stop_servers(processes, config.processes.stop_timeout_s)
-        raise
-    return processes
-
-
-def stop_servers(processes: dict[str, ServerProcess], timeout_s: float) -> None:
-    """The learner first (it saves a checkpoint on SIGTERM), then the servers it talks to."""
-    for name in ("learner", "policy", "env"):
-        if name in processes:
-            code = processes[name].stop(grace_s=timeout_s)
-            if code not in (0, None):
-                log.warning(
-                    "%s server exited with %s; see its log in the run directory", name, code
-                )
-
-
 # ---------------------------------------------------------------------- the command
-
-
-class _Progress:
-    """A live line: step, reward, policy lag, generation throughput."""
-
-    def __init__(self, total: int | None, enabled: bool) -> None:
-        self.bar = tqdm(
-            total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train"
-        )
-
-    def update(self, record: StepRecord, tokens_per_s: float) -> None:
-        self.bar.update(record.step - self.bar.n)
-        self.bar.set_postfix(
-            reward=f"{record.reward_mean:.3f}",
-            lag=f"{record.policy_lag_mean:.2f}",
-            version=record.policy_version,
-            tok_s=f"{tokens_per_s:.0f}",
-        )
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def train(config: TrainConfig) -> TrainOutcome:
@@ -602,7 +470,7 @@ def train(config: TrainConfig) -> TrainOutcome:
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")
     processes = start_servers(config, run_dir)
     outcome = TrainOutcome(run_dir=str(run_dir), stopped_by="aborted")
-    progress = _Progress(config.budget.max_steps, config.progress)
+    progress = Progress(config.budget.max_steps, config.progress)
     try:
         outcome = asyncio.run(_train_async(config, processes, run_dir, progress))
     finally:
@@ -613,7 +481,7 @@ def train(config: TrainConfig) -> TrainOutcome:
 
 
 async def _train_async(
-    config: TrainConfig, processes: dict[str, ServerProcess], run_dir: Path, progress: _Progress
+    config: TrainConfig, processes: dict[str, ServerProcess], run_dir: Path, progress: Progress
 ) -> TrainOutcome:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
