@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from clients import resume
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
@@ -76,10 +77,11 @@ class RunSettings(BaseModel):
     name: str = Field("demo", description="Run name; the run directory is <dir>/<name>")
     dir: Path = Field(Path("runs"), description="Parent of run directories")
     resume: bool = Field(
-        False,
+        True,
         description=(
-            "Continue the run in <dir>/<name> from its checkpoint; otherwise an existing name gets a"
-            " numbered sibling (<name>-2, ...)"
+            "Continue the latest run of this name that holds a checkpoint (<dir>/<name> or its"
+            " highest <name>-N); false (`sciproto train --fresh`) starts over, in a numbered"
+            " sibling (<name>-2, ...) when <dir>/<name> is taken"
         ),
     )
 
@@ -194,15 +196,8 @@ def load_train_config(config: str | Path, overrides: Sequence[str] = ()) -> Trai
 
 
 def choose_run_dir(run: RunSettings) -> Path:
-    """<dir>/<name>, or with resume off and that taken, the first free <dir>/<name>-N."""
-    base = run.dir / run.name
-    if run.resume or not base.exists():
-        return base
-    for number in itertools.count(2):
-        candidate = run.dir / f"{run.name}-{number}"
-        if not candidate.exists():
-            return candidate
-    raise AssertionError("unreachable")
+    """The run directory: see `clients.resume.choose_run_dir`."""
+    return resume.choose_run_dir(run.dir, run.name, run.resume)
 
 
 # ---------------------------------------------------------------------- rollouts -> learner
@@ -363,14 +358,18 @@ async def run_rollouts_into_learner(
     flow = _Flow(config.max_groups_ahead)
     outcome = TrainOutcome(run_dir=str(run_dir))
     outgoing: asyncio.Queue[learner_pb2.TrainStepRequest] = asyncio.Queue()
-    epochs: dict[TaskKey, int] = {}
     started = time.monotonic()
 
     async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        # A resumed run continues after the groups its learner trained, never re-sending one.
+        point = resume.resume_point(resume.trained_group_ids(run_dir), env_name, split, size)
+        epochs: dict[TaskKey, int] = point.epochs
+        if point.trained:
+            log.info("resuming after %d trained groups of %s:%s", point.trained, env_name, split)
 
         async def tasks() -> AsyncIterator[TaskKey]:
-            for number in itertools.count():
+            for number in itertools.count(point.start):
                 await flow.admit()
                 # Epochs over a bounded split; an unbounded one (any index is a task) never repeats.
                 yield TaskKey(env_name, split, number if size is None else number % size)
@@ -503,7 +502,11 @@ async def final_checkpoint(
 def write_component_config(config: TrainConfig, run_dir: Path, policy_target: str) -> Path:
     """The resolved config every child reads its own section of."""
     learner = config.learner.model_copy(
-        update={"policy_targets": [policy_target], "run_dir": run_dir}
+        update={
+            "policy_targets": [policy_target],
+            "run_dir": run_dir,
+            "max_steps": config.budget.max_steps,
+        }
     )
     resolved = config.model_copy(update={"learner": learner})
     path = run_dir / "config.yaml"
@@ -645,7 +648,9 @@ async def _train_async(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
-    if processes["learner"].alive():
+    # A run that made no optimizer step has nothing new to save (a checkpoint now would be a
+    # copy of the base model, or of the checkpoint it resumed from).
+    if outcome.steps and processes["learner"].alive():
         saved = await final_checkpoint(processes["learner"].target, config.processes.stop_timeout_s)
         outcome.checkpoint = saved.directory
     return outcome

@@ -153,11 +153,14 @@ def collect(
 def train(
     config: Annotated[str, typer.Option("--config", "-c", help="YAML file, or a name in configs/")] = "demo",
     set_: SetOption = None,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Start over even when the run directory holds a checkpoint (default: resume)")] = False,
     verbose: bool = False,
 ) -> None:
     """Train end to end: start env, policy and learner servers and the rollout client."""
     _setup_logging(verbose)
-    importlib.import_module("clients.train").main(config, list(set_ or []))
+    overrides = list(set_ or []) + (["run.resume=false"] if fresh else [])
+    importlib.import_module("clients.train").main(config, overrides)
 
 
 @app.command()
