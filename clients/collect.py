@@ -55,6 +55,7 @@ from clients.rollouts import (
 from clients.summary import CollectSummary, summarize
 from sciproto.channel import ServerAccess
 from sciproto.config import load_config
+from sciproto.errors import SciprotoError
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,10 @@ class CollectError(ValueError):
     """Bad `sciproto collect` input; the message says what to fix."""
 
 
+class NothingSucceeded(RuntimeError):
+    """Every rollout of a `sciproto collect` run failed: the command exits non-zero."""
+
+
 def parse_tasks(spec: str) -> tuple[str, str]:
     env, sep, split = spec.partition(":")
     if not sep or not env or not split or ":" in split:
@@ -172,6 +177,17 @@ def parse_tasks(spec: str) -> tuple[str, str]:
 def output_paths(output: Path) -> tuple[Path, Path]:
     """(failures file, summary file) beside `output`."""
     return output.with_name(f"{output.stem}.failures.jsonl"), output.with_name(f"{output.stem}.summary.json")
+
+
+async def check_reachable(pool: EnvPool | PolicyPool, what: str, timeout_s: float) -> None:
+    """Fail at once, saying so, when a server of the pool does not answer Describe (instead of
+    failing every rollout after the pool's wait for a healthy replica)."""
+    for replica in pool.replicas:
+        try:
+            await replica.client.describe(timeout_s)
+        except SciprotoError as error:
+            raise CollectError(f"{what} server {replica.target} does not answer ({error.code.name}:"
+                               f" {error.message}); is it running, at that address?") from error
 
 
 async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> int | None:
@@ -248,6 +264,8 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
     policy_channels = [config.policy_access.channel(target) for target in policy_targets]
     async with env_pool(env_channels, interceptors=interceptors, **options) as env, \
             policy_pool(policy_channels, interceptors=interceptors, **options) as policy:
+        await check_reachable(env, "env", config.deadlines.describe_s)
+        await check_reachable(policy, "policy", config.deadlines.describe_s)
         size = await split_size(env, env_name, split, config.deadlines.describe_s)
         count = tasks_to_run(size, limit, f"{env_name}:{split}")
         writer = RolloutWriter(output, failures_path)
@@ -270,7 +288,8 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
             bar.close()
             writer.close()
     summary = summarize(read_rollouts(output), writer.failed, success_reward=config.success_reward,
-                        seconds=time.monotonic() - started, finished_this_run=writer.written + writer.failed)
+                        seconds=time.monotonic() - started, finished_this_run=writer.written + writer.failed,
+                        judged_this_run=writer.written)
     summary_path.write_text(summary.model_dump_json(indent=2) + "\n")
     return summary
 
@@ -306,7 +325,10 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     finally:
         shutdown_tracing()
     print_summary(summary, Path(output))
+    if summary.infra_errors and not summary.judged_this_run:
+        raise NothingSucceeded(f"no rollout succeeded: all {summary.infra_errors} failed (infra errors);"
+                               f" their errors are in {output_paths(Path(output))[0]}")
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]

@@ -46,6 +46,7 @@ from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 from learner.server_config import LearnerServerConfig
@@ -193,6 +194,15 @@ class TrainConfig(BaseModel):
 
 def load_train_config(config: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     return load_config(TrainConfig, config, list(overrides))
+
+
+def check_envs(names: Sequence[str]) -> None:
+    """Refuse, before any server starts, an environment the env server could not host."""
+    for name in names:
+        try:
+            check_name(name)
+        except ValueError as error:
+            raise ConfigError(f"env.envs: {error}") from None
 
 
 def choose_run_dir(run: RunSettings) -> Path:
@@ -701,6 +711,7 @@ def main(config: str | None, overrides: list[str]) -> TrainOutcome:
     """`sciproto train`: see the module docstring."""
     try:
         settings = load_train_config(config or "demo", overrides)
+        check_envs(settings.env.envs)
     except ConfigError as error:
         raise SystemExit(f"sciproto train: {error}") from None
     outcome = train(settings)

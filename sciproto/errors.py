@@ -45,6 +45,7 @@ class Reason(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA"  # client side: no server of a service answers
     INTERNAL = "INTERNAL"
 
 
