@@ -29,6 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Se
 from pathlib import Path
 from typing import IO
 
+import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
@@ -45,6 +46,7 @@ from clients.agent import (
 )
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import (
+    RolloutDetail,
     RolloutGroup,
     RolloutRecord,
     RolloutStatus,
@@ -85,6 +87,9 @@ class CollectConfig(BaseModel):
     policy_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the policy servers")
     success_reward: float = Field(1.0, description="A rollout passes (for pass@k) when its reward is at least this")
     progress: bool = Field(True, description="Show a progress bar")
+    rollouts: RolloutDetail = Field("full", description=(
+        "full: every token id, mask bit and logprob (what training needs); summary: the same lines"
+        " without those arrays, a fraction of the size (see clients.rollouts)"))
 
     def agent_settings(self) -> AgentSettings:
         return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines)
@@ -186,6 +191,9 @@ async def check_reachable(pool: EnvPool | PolicyPool, what: str, timeout_s: floa
         try:
             await replica.client.describe(timeout_s)
         except SciprotoError as error:
+            if error.code == grpc.StatusCode.UNIMPLEMENTED:
+                raise CollectError(f"{replica.target} is not a {what} server (it has no {pool.service});"
+                                   f" give the {what} server's address") from error
             raise CollectError(f"{what} server {replica.target} does not answer ({error.code.name}:"
                                f" {error.message}); is it running, at that address?") from error
 
@@ -209,8 +217,9 @@ class RolloutWriter:
     """Appends finished rollouts: judged ones to the output, INFRA_ERROR ones to the failures
     file; skips ids the output already holds."""
 
-    def __init__(self, output: Path, failures: Path) -> None:
+    def __init__(self, output: Path, failures: Path, detail: RolloutDetail = "full") -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
+        self.detail = detail
         drop_torn_tail(output)
         self.done = {record.rollout_id for record in read_rollouts(output)}
         self._output: IO[str] = output.open("a", encoding="utf-8")
@@ -222,7 +231,7 @@ class RolloutWriter:
         new = [r for r in group.rollouts if r.rollout_id not in self.done]
         for record in new:
             sink = self._failures if record.status is RolloutStatus.INFRA_ERROR else self._output
-            sink.write(record.to_json_line())
+            sink.write(record.to_json_line(self.detail))
             if record.status is RolloutStatus.INFRA_ERROR:
                 self.failed += 1
             else:
@@ -265,10 +274,10 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
     async with env_pool(env_channels, interceptors=interceptors, **options) as env, \
             policy_pool(policy_channels, interceptors=interceptors, **options) as policy:
         await check_reachable(env, "env", config.deadlines.describe_s)
-        await check_reachable(policy, "policy", config.deadlines.describe_s)
         size = await split_size(env, env_name, split, config.deadlines.describe_s)
+        await check_reachable(policy, "policy", config.deadlines.describe_s)
         count = tasks_to_run(size, limit, f"{env_name}:{split}")
-        writer = RolloutWriter(output, failures_path)
+        writer = RolloutWriter(output, failures_path, config.rollouts)
         todo = pending_tasks(env_name, split, count, samples, writer.done)
         log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",
                  len(todo), count, samples, len(writer.done), output)

@@ -45,7 +45,7 @@ from clients import resume
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from clients.rollouts import RolloutDetail, RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
@@ -130,6 +130,9 @@ class RolloutSettings(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most environment Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory")
+    rollouts_file: RolloutDetail = Field(
+        "full", description="rollouts.jsonl lines: full (token arrays too) or summary (see clients.rollouts)"
+    )
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
 
@@ -407,7 +410,7 @@ async def run_rollouts_into_learner(
                         if record.status is RolloutStatus.INFRA_ERROR
                         else rollouts_file
                     )
-                    sink.write(record.to_json_line())
+                    sink.write(record.to_json_line(rollout.rollouts_file))
                 rollouts_file.flush()
                 failures_file.flush()
                 outcome.groups_generated += 1

@@ -158,6 +158,8 @@ def collect(
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a group)")] = 1,
     concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
+    rollouts: Annotated[str | None, typer.Option(
+        help="full (token ids, masks, logprobs: what training needs) or summary (without them, far smaller)")] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
     verbose: bool = False,
@@ -166,7 +168,8 @@ def collect(
     _setup_logging(verbose)
     importlib.import_module("clients.collect").main(
         env=env, policy=policy, tasks=tasks, output=output, limit=limit, samples=samples,
-        concurrency=concurrency, config=config, overrides=list(set_ or []),
+        concurrency=concurrency, config=config,
+        overrides=list(set_ or []) + ([f"rollouts={rollouts}"] if rollouts else []),
     )
 
 
