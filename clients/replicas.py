@@ -102,6 +102,10 @@ class ReplicaPool(Generic[ClientT]):
     async def acquire(self, exclude: frozenset[Replica[ClientT]] = frozenset()) -> Replica[ClientT]:
         """The least-loaded healthy replica (preferring ones not in `exclude`), its load counted
         until `release`. Waits up to `wait_for_healthy_s` for one to come back when all are down."""
+        replica = self._pick(exclude)
+        if replica is not None:  # the usual case: nothing to wait for
+            replica.load += 1
+            return replica
         async with self._changed:
             try:
                 async with asyncio.timeout(self.wait_for_healthy_s):

@@ -45,7 +45,14 @@ from clients import resume
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import RolloutDetail, RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from clients.rollouts import (
+    FINISH_REASON_TO_PB,
+    RolloutDetail,
+    RolloutGroup,
+    RolloutRecord,
+    RolloutStatus,
+    TaskKey,
+)
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
@@ -217,6 +224,7 @@ def choose_run_dir(run: RunSettings) -> Path:
 
 
 def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
+    """The learner's message for one rollout record, finish reasons and step rewards included."""
     return learner_pb2.Rollout(
         sample_index=record.sample,
         token_ids=record.token_ids,
@@ -233,6 +241,8 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
             detail=record.reward_detail or (record.error or ""),
         ),
         turns=record.steps,
+        turn_finish_reasons=[FINISH_REASON_TO_PB[reason] for reason in record.turn_finish_reasons],
+        step_rewards=record.step_rewards,
     )
 
 

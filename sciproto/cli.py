@@ -83,6 +83,9 @@ def serve_env(
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
+    workers: Annotated[int, typer.Option(min=1, help="Server processes, one port each from --port on"
+                                                    " (0: each a free one); spread episodes over them"
+                                                    " with a replica pool")] = 1,
     verbose: bool = False,
 ) -> None:
     """Serve Aviary environments over EnvironmentService."""
@@ -90,6 +93,9 @@ def serve_env(
     overrides = _server_overrides("env", host, port, auth, set_)
     if env:
         overrides.append(f"envs=[{','.join(env)}]")
+    if workers > 1:
+        importlib.import_module("env_servers.workers").main(config, overrides, workers, verbose)
+        return
     _run_component("env_servers.app", config, overrides)
 
 
@@ -141,6 +147,53 @@ def describe(
     tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
     config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
     typer.echo(to_json(asyncio.run(run_describe(config))))
+
+
+conformance_app = typer.Typer(help="Check a server against the protocol's behaviour, over the wire.",
+                              no_args_is_help=True)
+app.add_typer(conformance_app, name="conformance")
+OnlyOption = Annotated[list[str] | None, typer.Option("--only", help="Run only this check (repeatable)")]
+
+
+def _run_conformance(kind: str, target: str, timeout: float, token: str | None, ca_cert: Path | None,
+                     as_json: bool, only: list[str] | None, env: str | None = None) -> None:
+    from sciproto.channel import ChannelConfig, TlsClientConfig
+    from sciproto.conformance import check_env, check_policy
+
+    tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
+    config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
+    run = (check_env(config, env=env, timeout_s=timeout, only=only) if kind == "env"
+           else check_policy(config, timeout_s=timeout, only=only))
+    report = asyncio.run(run)
+    typer.echo(report.to_json() if as_json else report.render())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@conformance_app.command("env")
+def conformance_env(
+    target: Annotated[str, typer.Argument(help="HOST:PORT of an EnvironmentService")],
+    env: Annotated[str | None, typer.Option("--env", help="Environment to check (default: the first hosted)")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds each check may take")] = 30.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (roles agent, grader, observer)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+    only: OnlyOption = None,
+) -> None:
+    """Run the environment-server checks; exit 1 if any fails."""
+    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env)
+
+
+@conformance_app.command("policy")
+def conformance_policy(
+    target: Annotated[str, typer.Argument(help="HOST:PORT of a PolicyService")],
+    timeout: Annotated[float, typer.Option(help="Seconds each check may take")] = 60.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (roles agent, observer; trainer for the weights check)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+    only: OnlyOption = None,
+) -> None:
+    """Run the policy-server checks; exit 1 if any fails."""
+    _run_conformance("policy", target, timeout, token, ca_cert, as_json, only)
 
 
 @app.command()
