@@ -115,6 +115,14 @@ class LearnerServerConfig(BaseModel):
     run_dir: Path = Field(
         Path("runs/learner"), description="Checkpoints and metrics go here; resumed from"
     )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Train no further than this optimizer step (groups still get receipts); `sciproto"
+            " train` sets it from budget.max_steps, so a step in flight at the budget is not extra"
+        ),
+    )
     checkpoint_every: int = Field(
         0,
         ge=0,

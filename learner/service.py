@@ -27,9 +27,9 @@ push (a restarted server serves version 0; a push may have failed). push_every >
 is refused by the config.
 
 A stream the client half-closes ends once no further step can come from what is buffered (no
-step running and fewer than batch_groups groups waiting); until then it still carries step
-results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at shutdown) hold the
-trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
+step running and fewer than batch_groups groups waiting, or max_steps reached); until then it
+still carries step results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at
+shutdown) hold the trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ class LearnerServicer:
 
     async def _optimizer_loop(self) -> None:
         config = self.config
-        while True:
+        while not self._reached_max_steps():
             waited_from = time.monotonic()
             try:
                 groups = await self.buffer.take(
@@ -332,6 +332,7 @@ class LearnerServicer:
                 self._step_running = False
                 async with self._progress:
                     self._progress.notify_all()
+        log.info("reached max_steps %d: no further optimizer steps", config.max_steps)
 
     async def _step(self, groups: list[RolloutGroup], wait_s: float) -> None:
         config = self.config
@@ -639,8 +640,12 @@ class LearnerServicer:
         await asyncio.wait({reader})
         async with self._progress:
             await self._progress.wait_for(
-                lambda: not self._step_running and len(self.buffer) < self.config.batch_groups
+                lambda: not self._step_running
+                and (len(self.buffer) < self.config.batch_groups or self._reached_max_steps())
             )
+
+    def _reached_max_steps(self) -> bool:
+        return self.config.max_steps is not None and self.trainer.step >= self.config.max_steps
 
     async def _read_groups(
         self,
