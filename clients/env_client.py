@@ -86,6 +86,11 @@ def step_request(episode_id: str, action: common_pb2.ChatMessage,
                                trace_context=current_trace_context())
 
 
+def fork_request(episode_id: str, request_id: str | None = None) -> env_pb2.ForkRequest:
+    return env_pb2.ForkRequest(request_id=request_id or new_request_id(), episode_id=episode_id,
+                               trace_context=current_trace_context())
+
+
 def close_request(episode_id: str, request_id: str | None = None) -> env_pb2.CloseRequest:
     return env_pb2.CloseRequest(request_id=request_id or new_request_id(), episode_id=episode_id,
                                 trace_context=current_trace_context())
@@ -139,6 +144,12 @@ class EnvClient:
         request = verify_request(episode_id, trajectory=trajectory, request_id=request_id)
         return await self._call(self._stub.Verify, request, timeout)
 
+    async def fork(self, episode_id: str, *, request_id: str | None = None,
+                   timeout: float | None = None) -> env_pb2.ForkResponse:
+        """A new episode copied from `episode_id` at its current step; close it like any episode.
+        Pass the same request_id to retry: the server answers with the same fork."""
+        return await self._call(self._stub.Fork, fork_request(episode_id, request_id), timeout)
+
     async def close(self, episode_id: str, *, request_id: str | None = None,
                     timeout: float | None = None) -> env_pb2.CloseResponse:
         return await self._call(self._stub.Close, close_request(episode_id, request_id), timeout)
@@ -183,6 +194,12 @@ class EnvSession:
                      request_id: str | None = None, timeout: float | None = None) -> env_pb2.VerifyResponse:
         request = verify_request(episode_id, trajectory=trajectory, request_id=request_id)
         return (await self._run(env_pb2.SessionRequest(verify=request), request.request_id, timeout)).verify
+
+    async def fork(self, episode_id: str, *, request_id: str | None = None,
+                   timeout: float | None = None) -> env_pb2.ForkResponse:
+        """As EnvClient.fork, on this stream: the fork is closed with the stream at the latest."""
+        request = fork_request(episode_id, request_id)
+        return (await self._run(env_pb2.SessionRequest(fork=request), request.request_id, timeout)).fork
 
     async def close(self, episode_id: str, *, request_id: str | None = None,
                     timeout: float | None = None) -> env_pb2.CloseResponse:

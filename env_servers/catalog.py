@@ -14,8 +14,12 @@ Built-in names come first; any other name falls back to environments Aviary itse
 from collections.abc import Callable
 
 from env_servers.envs.source import (
+    FORK_COPY,
+    FORK_REPLAY,
+    FORK_UNSUPPORTED,
     UNBOUNDED,
     EnvironmentSource,
+    ForkUnsupportedError,
     RescoreUnsupportedError,
     reward_components,
 )
@@ -88,8 +92,12 @@ def load_source(name: str, options: dict[str, str] | None = None) -> Environment
 
 
 __all__ = [
+    "FORK_COPY",
+    "FORK_REPLAY",
+    "FORK_UNSUPPORTED",
     "UNBOUNDED",
     "EnvironmentSource",
+    "ForkUnsupportedError",
     "RescoreUnsupportedError",
     "builtin_names",
     "check_name",

@@ -136,7 +136,8 @@ class Episode:
 
 @dataclass
 class Counters:
-    opened: int = 0
+    opened: int = 0  # forks included
+    forked: int = 0
     expired: int = 0
     steps: int = 0
     errors: int = 0
@@ -171,12 +172,7 @@ class EpisodeRegistry:
         """Build an environment with `make`, reset it (with `seed` where its reset takes one),
         and register it as a new episode of the calling principal. Beyond `max_live_episodes`,
         or beyond the principal's own quota, the caller is told to come back later."""
-        if self.live + self._opening >= self.max_live_episodes:
-            raise ResourceExhausted(
-                f"{self.max_live_episodes} episodes are open, the most this server holds; close"
-                f" finished episodes or retry after {self.retry_after_s:g} s",
-                Reason.TOO_MANY_EPISODES, retry_after_s=self.retry_after_s,
-                metadata={"max_live_episodes": str(self.max_live_episodes)})
+        self._admit()
         claim = claim_episode(self.retry_after_s)
         registered = False
         self._opening += 1
@@ -196,6 +192,65 @@ class EpisodeRegistry:
             self._opening -= 1
             if not registered:
                 claim.release()
+
+    async def fork(self, parent: Episode,
+                   copy: Callable[[Environment], Awaitable[Environment]]) -> Episode:
+        """Register a copy of `parent` (from `get`) made by `copy` as a new episode of the calling
+        principal, at the parent's step and return. The copy is made under the parent's lock (no
+        step changes it meanwhile) and counts against the same limits as a Reset; a parent that
+        was closed meanwhile is EPISODE_NOT_FOUND, a finished one EPISODE_FINISHED."""
+        self._admit()
+        claim = claim_episode(self.retry_after_s)
+        registered = False
+        env: Environment | None = None
+        self._opening += 1
+        try:
+            async with parent.lock:
+                if parent.closed:
+                    raise NotFound(f"episode {parent.id} was closed before it could be forked",
+                                   Reason.EPISODE_NOT_FOUND, metadata={"episode_id": parent.id})
+                if parent.finished:
+                    raise FailedPrecondition(
+                        f"episode {parent.id} has ended after {parent.step_count} steps; only an episode"
+                        " still running can be forked", Reason.EPISODE_FINISHED,
+                        metadata={"episode_id": parent.id})
+                parent.touch()
+                try:
+                    async with asyncio.timeout(self.step_timeout_s):
+                        env = await copy(parent.env)
+                except TimeoutError:
+                    raise Internal(f"the environment did not finish the fork within {self.step_timeout_s:g} s",
+                                   Reason.STEP_TIMEOUT) from None
+                except SciprotoError:
+                    raise
+                except Exception as error:
+                    log.warning("episode %s (%s): fork raised", parent.id, parent.env_name, exc_info=True)
+                    raise Internal(f"the environment failed to fork: {type(error).__name__}: {error}",
+                                   Reason.ENVIRONMENT_FAILED) from error
+                finally:
+                    parent.touch()
+            episode = Episode(uuid.uuid4().hex, parent.env_name, env, list(env.tools), owner=_caller(),
+                              claim=claim, step_count=parent.step_count, total_reward=parent.total_reward)
+            self._episodes[episode.id] = episode
+            registered = True
+            self.counters.opened += 1
+            self.counters.forked += 1
+            return episode
+        finally:
+            self._opening -= 1
+            if not registered:
+                claim.release()
+                if env is not None:
+                    await Episode("", parent.env_name, env, []).close()
+
+    def _admit(self) -> None:
+        """TOO_MANY_EPISODES when the server holds as many episodes as it may."""
+        if self.live + self._opening >= self.max_live_episodes:
+            raise ResourceExhausted(
+                f"{self.max_live_episodes} episodes are open, the most this server holds; close"
+                f" finished episodes or retry after {self.retry_after_s:g} s",
+                Reason.TOO_MANY_EPISODES, retry_after_s=self.retry_after_s,
+                metadata={"max_live_episodes": str(self.max_live_episodes)})
 
     async def _reset(self, env: Environment, seed: int | None) -> tuple[list[Message], list[Tool]]:
         takes_seed = seed is not None and "seed" in inspect.signature(env.reset).parameters

@@ -1,6 +1,6 @@
 """EnvironmentService: requests in, registry calls, responses out.
 
-The four operations (reset, step, verify, close) are written once, as methods that take and
+The operations (reset, step, fork, verify, close) are written once, as methods that take and
 return protobuf messages; the unary RPCs and the Session stream both call them. Each runs in its
 own span (`sciproto.env.step gsm8k`, ...), a child of the caller's span named by the request's
 trace_context (see `sciproto.tracing.span_for_request`), with the env, episode id and reward.
@@ -20,6 +20,9 @@ from opentelemetry.trace import INVALID_SPAN, Span
 
 from env_servers import convert
 from env_servers.catalog import (
+    FORK_COPY,
+    FORK_REPLAY,
+    FORK_UNSUPPORTED,
     UNBOUNDED,
     EnvironmentSource,
     RescoreUnsupportedError,
@@ -43,10 +46,13 @@ from sciproto.tracing import Attr, Operation, span_for_request, span_name, traci
 
 log = logging.getLogger("env_servers.service")
 
-CAPABILITIES = ("session", "session.heartbeat", "session.cancel", "session.max_in_flight", "verify.episode",
+CAPABILITIES = ("session", "session.heartbeat", "session.cancel", "session.max_in_flight", "fork", "verify.episode",
                 "verify.trajectory", "inline_tasks", "idempotent_requests")
 
 Response = TypeVar("Response")
+
+_FORK_MODES = {FORK_COPY: env_pb2.FORK_MODE_COPY, FORK_REPLAY: env_pb2.FORK_MODE_REPLAY,
+               FORK_UNSUPPORTED: env_pb2.FORK_MODE_UNSUPPORTED}
 
 
 def _counts_errors(operation: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -90,7 +96,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         environments = [
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
-                provenance=self._provenance(name),
+                provenance=self._provenance(name), fork=_FORK_MODES[source.fork_mode],
                 splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
                         for split, size in self.splits[name].items()])
             for name, source in self.sources.items()
@@ -163,6 +169,28 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         response = _step_response(outcome)
         response.reward.provenance.CopyFrom(self._provenance(episode.env_name))
         return response
+
+    @_counts_errors
+    async def fork(self, request: env_pb2.ForkRequest, *, context: grpc.aio.ServicerContext | None = None,
+                   detach: bool = True) -> env_pb2.ForkResponse:
+        """detach: as for reset. A retry with the same request_id answers the same fork."""
+        with self._episode_span(Operation.ENV_FORK, request, request.episode_id, context) as span:
+            response = await self.idempotency.run(_scoped("fork"), request.request_id, request.episode_id,
+                                                  lambda: self._fork(request), detach=detach)
+            if span.is_recording():
+                span.set_attribute(Attr.FORK_EPISODE_ID, response.episode_id)
+            return response
+
+    async def _fork(self, request: env_pb2.ForkRequest) -> env_pb2.ForkResponse:
+        parent = self.registry.get(request.episode_id)
+        source = self.sources[parent.env_name]
+        if source.fork_mode == FORK_UNSUPPORTED:
+            raise Unimplemented(f"environment {parent.env_name!r} cannot fork an episode (Describe: fork"
+                                " unsupported); Reset a new episode and replay its actions instead",
+                                Reason.UNSUPPORTED)
+        fork = await self.registry.fork(parent, source.fork)
+        return env_pb2.ForkResponse(episode_id=fork.id, parent_episode_id=parent.id, step_count=fork.step_count,
+                                    tools=convert.tools_to_proto(fork.tools))
 
     @_counts_errors
     async def verify(self, request: env_pb2.VerifyRequest, *,
@@ -296,6 +324,10 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
     async def Close(self, request: env_pb2.CloseRequest,
                     context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
         return await self.close(request, context=context)
+
+    async def Fork(self, request: env_pb2.ForkRequest,
+                   context: grpc.aio.ServicerContext) -> env_pb2.ForkResponse:
+        return await self.fork(request, context=context)
 
     async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:

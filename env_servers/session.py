@@ -182,6 +182,11 @@ class SessionStream:
             self._opened.add(reset.episode_id)
             answer.episode_id = reset.episode_id
             answer.reset.CopyFrom(reset)
+        elif operation == "fork":
+            fork = await service.fork(request.fork, context=context, detach=False)
+            self._opened.add(fork.episode_id)
+            answer.episode_id = fork.episode_id
+            answer.fork.CopyFrom(fork)
         elif operation == "verify":
             require_role(AuthRole.GRADER)
             answer.verify.CopyFrom(await service.verify(request.verify, context=context))
@@ -189,7 +194,7 @@ class SessionStream:
             answer.close.CopyFrom(await service.close(request.close, context=context))
             self._opened.discard(request.close.episode_id)
         else:
-            raise InvalidArgument("SessionRequest carries no operation: set reset, step, verify, close or cancel",
+            raise InvalidArgument("SessionRequest carries no operation: set reset, step, fork, verify, close or cancel",
                                   Reason.INVALID_REQUEST)
 
     async def _beat(self) -> None:
@@ -213,7 +218,7 @@ def _request_id(request: env_pb2.SessionRequest) -> str:
 
 def _episode_id(request: env_pb2.SessionRequest) -> str:
     operation = request.WhichOneof("operation")
-    if operation in ("step", "close"):
+    if operation in ("step", "close", "fork"):
         return getattr(request, operation).episode_id
     if operation == "verify":
         return request.verify.episode_id

@@ -84,6 +84,7 @@ METHOD_ROLES: dict[str, AuthRole] = {
         "Reset": AuthRole.AGENT,
         "Step": AuthRole.AGENT,
         "Close": AuthRole.AGENT,
+        "Fork": AuthRole.AGENT,
         # Verify operations inside a Session also need GRADER: the env server
         # checks that with require_role(AuthRole.GRADER).
         "Session": AuthRole.AGENT,

@@ -109,6 +109,7 @@ class Attr:
     TASK_ID: Final = "sciproto.task.id"
     SAMPLE_INDEX: Final = "sciproto.sample.index"
     EPISODE_ID: Final = "sciproto.episode.id"
+    FORK_EPISODE_ID: Final = "sciproto.fork.episode.id"  # the episode a Fork opened
     REWARD_VALUE: Final = "sciproto.reward.value"
     REWARD_STATUS: Final = "sciproto.reward.status"
     POLICY_VERSION: Final = "sciproto.policy.version"
@@ -124,6 +125,7 @@ class Operation:
     ENV_STEP: Final = "sciproto.env.step"
     ENV_VERIFY: Final = "sciproto.env.verify"
     ENV_CLOSE: Final = "sciproto.env.close"
+    ENV_FORK: Final = "sciproto.env.fork"
     TRAIN_STEP: Final = "sciproto.learner.train_step"
     UPDATE_WEIGHTS: Final = "sciproto.policy.update_weights"
 

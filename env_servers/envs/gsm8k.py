@@ -6,6 +6,7 @@ The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset
 
 import ast
 import asyncio
+import copy
 import inspect
 import json
 import operator
@@ -20,7 +21,9 @@ from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
 
 from env_servers.envs.source import (
+    FORK_COPY,
     EnvironmentSource,
+    ForkUnsupportedError,
     RewardComponents,
     cached_tool,
     last_tool_argument,
@@ -138,11 +141,21 @@ class BoundedCalculatorEnv(CalculatorEnv):
 
     async def reset(self) -> tuple[Messages, list[Tool]]:
         self.state = None
-        self.tools = [
+        self.tools = self._tools()
+        return [Message(content=self.problem)], self.tools
+
+    def _tools(self) -> list[Tool]:
+        return [
             cached_tool(self.calculator, run=_on_the_loop_when_short(self.calculator, "expr")),
             cached_tool(self.submit_answer, run=_on_the_loop_when_short(self.submit_answer, "answer")),
         ]
-        return [Message(content=self.problem)], self.tools
+
+    def fork(self) -> "BoundedCalculatorEnv":
+        """A copy of this reset environment, with tools bound to the copy (a deep copy would keep
+        the tools' closures calling this one)."""
+        twin = copy.deepcopy(self)
+        twin.tools = twin._tools()
+        return twin
 
     def calculator(self, expr: str) -> tuple[float | str, float, bool]:
         try:
@@ -163,6 +176,8 @@ class GSM8kSource(EnvironmentSource):
         "Arithmetic word problems in GSM8K format; tools: calculator(expr), submit_answer(answer)."
         " Reward 1 for a correct submission, 0 for a wrong one, -1 for a failed tool call."
     )
+
+    fork_mode = FORK_COPY  # the environment holds no state but its problem: a copy is exact
 
     def __init__(self, options: GSM8kOptions) -> None:
         self.options = options
@@ -250,6 +265,11 @@ class GSM8kSource(EnvironmentSource):
         """As `rescore`, against the inline task's question and answer."""
         require_fields(self.name, task, {"question", "answer"})
         return _score_submission(task["question"], parse_answer_number(task["answer"]), messages)
+
+    async def fork(self, env: Environment) -> Environment:
+        if not isinstance(env, BoundedCalculatorEnv):
+            raise ForkUnsupportedError(f"{type(env).__name__} is not a gsm8k environment of this server")
+        return env.fork()
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.envs.source import (
+    FORK_REPLAY,
     EnvironmentSource,
+    ForkUnsupportedError,
     RewardComponents,
     last_tool_argument,
     no_submission,
@@ -185,6 +187,35 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
             raise TimeoutError(" ".join(stopped))
         return "Executed all cells."
 
+    async def fork(self) -> "DataAnalysisEnv":
+        """A new episode at this one's step: a copy of the workspace (data, files the cells wrote,
+        the notebook) in a fresh folder, a fresh sandboxed kernel on it, and the notebook's code
+        cells run again in order, so that the kernel has the variables they made. Exact when the
+        cells are deterministic. A replayed cell stopped by a limit fails the fork."""
+        twin = DataAnalysisEnv(self.task, self.options.data_dir, self.options)
+        twin.work_dir = self.state.work_dir  # reset copies this folder into a fresh workspace
+        try:
+            await twin.reset()
+        finally:
+            twin.work_dir = self.work_dir  # a later reset of the fork starts from the dataset again
+        try:
+            notebook = self.state.work_dir.name
+            limits = CellLimits(wall_s=self.cell_execution_timeout, cpu_s=self.options.cpu_seconds_per_cell,
+                                max_output_chars=self.options.max_output_chars)
+            for index, cell in enumerate(twin.state.cells):
+                if cell.cell_type != "code":
+                    continue
+                result = await twin.state.kernel.run_cell(cell.source, limits)
+                if result.stopped is not None:
+                    raise RuntimeError(f"replaying cell {index} of {notebook} was stopped: {result.stopped}")
+            twin.state.total_reward, twin.state.done = self.state.total_reward, self.state.done
+            twin.state.answer, twin.state.actions = self.state.answer, list(self.state.actions)
+            twin.reward_components = dict(self.reward_components)
+        except BaseException:
+            await twin.close()
+            raise
+        return twin
+
     async def submit_answer(self, answer: str) -> str:
         """Submit the final answer to the question. This ends the episode.
 
@@ -217,6 +248,8 @@ class NotebookSource(EnvironmentSource):
         " edit_cell(contents, idx), list_workdir(), submit_answer(answer)."
         " Reward 1 for a correct submitted answer, else 0."
     )
+
+    fork_mode = FORK_REPLAY
 
     def __init__(self, options: NotebookOptions) -> None:
         self.options = options
@@ -275,6 +308,11 @@ class NotebookSource(EnvironmentSource):
             "question": task.question,
             "files": json.dumps(task.files),
         }
+
+    async def fork(self, env: Environment) -> Environment:
+        if not isinstance(env, DataAnalysisEnv):
+            raise ForkUnsupportedError(f"{type(env).__name__} is not a notebook environment of this server")
+        return await env.fork()
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         return no_submission(0.0)

@@ -31,6 +31,15 @@ class RescoreUnsupportedError(NotImplementedError):
     """The source cannot score a stored trajectory without replaying it."""
 
 
+class ForkUnsupportedError(NotImplementedError):
+    """The source cannot copy a live episode."""
+
+
+# How a source forks an episode (EnvironmentInfo.fork): a direct copy of its state, a replay of
+# its actions on a copy of its workspace, or not at all.
+FORK_COPY, FORK_REPLAY, FORK_UNSUPPORTED = "copy", "replay", "unsupported"
+
+
 @runtime_checkable
 class ReportsRewardComponents(Protocol):
     """An environment that explains its last reward as named components."""
@@ -109,6 +118,8 @@ class EnvironmentSource(ABC):
     # grader_version when the same trajectory could get another reward (Reward.provenance).
     environment_version: str = "1"
     grader_version: str = "1"
+    # How `fork` copies a live environment: FORK_COPY, FORK_REPLAY or FORK_UNSUPPORTED.
+    fork_mode: str = FORK_UNSUPPORTED
 
     @property
     @abstractmethod
@@ -170,6 +181,12 @@ class EnvironmentSource(ABC):
         raise RescoreUnsupportedError(
             f"environment {self.name!r} cannot score a stored trajectory of an inline task; replay it instead"
         )
+
+    async def fork(self, env: Environment) -> Environment:
+        """A new environment in the state `env` is in now (reset already), independent of it from
+        then on; the caller owns it and must `close()` it. `env` is not changed. The default:
+        ForkUnsupportedError."""
+        raise ForkUnsupportedError(f"environment {self.name!r} cannot fork a live episode")
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents] | None:
         """The reward added to an episode's return when it has not ended with an answer (the

@@ -5,6 +5,7 @@ digits. A uniform byte-level policy emits a digit with probability 10/256, so it
 0.04 and the signal is dense enough for GRPO to push it above 0.8 in minutes.
 """
 
+import copy
 import random
 import string
 from collections.abc import Sequence
@@ -13,7 +14,9 @@ from aviary.core import Environment, Message, Messages, TaskDataset, Tool, ToolR
 from pydantic import BaseModel, ConfigDict
 
 from env_servers.envs.source import (
+    FORK_COPY,
     EnvironmentSource,
+    ForkUnsupportedError,
     RewardComponents,
     require_fields,
 )
@@ -88,6 +91,12 @@ class DigitsEnv(Environment[DigitsState]):
             observations = [Message(content=f"Reply scored: digit fraction {reward:.3f}.")]
         return observations, reward, True, False
 
+    def fork(self) -> "DigitsEnv":
+        """A deep copy of this reset environment, its tool bound to the copy."""
+        twin = copy.deepcopy(self)
+        twin.tools = [Tool.from_function(twin.submit_answer)]
+        return twin
+
     async def submit_answer(self, answer: str) -> str:
         """Submit your reply. This ends the episode.
 
@@ -123,6 +132,8 @@ class ToySource(EnvironmentSource):
         " are ASCII digits (plain content, or the answer of a submit_answer call)."
     )
 
+    fork_mode = FORK_COPY
+
     def __init__(self, options: ToyOptions) -> None:
         self.options = options
 
@@ -139,6 +150,11 @@ class ToySource(EnvironmentSource):
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         return {"question": task_prompt(split, index)}
+
+    async def fork(self, env: Environment) -> Environment:
+        if not isinstance(env, DigitsEnv):
+            raise ForkUnsupportedError(f"{type(env).__name__} is not a toy environment of this server")
+        return env.fork()
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

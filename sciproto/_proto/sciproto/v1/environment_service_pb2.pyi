@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.rpc import status_pb2 as _status_pb2
 from sciproto._proto.sciproto.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
@@ -22,6 +23,110 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ForkMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ForkModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ForkMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FORK_MODE_UNSPECIFIED: _ForkMode.ValueType  # 0
+    """Not reported (a server older than 1.2)."""
+    FORK_MODE_COPY: _ForkMode.ValueType  # 1
+    """The environment's state is copied directly: the fork is exact."""
+    FORK_MODE_REPLAY: _ForkMode.ValueType  # 2
+    """The fork replays the episode's actions (e.g. its notebook cells) on a copy of
+    its workspace: exact when those actions are deterministic.
+    """
+    FORK_MODE_UNSUPPORTED: _ForkMode.ValueType  # 3
+    """The environment cannot fork; Fork answers UNIMPLEMENTED (reason UNSUPPORTED)."""
+
+class ForkMode(_ForkMode, metaclass=_ForkModeEnumTypeWrapper):
+    """How an environment forks an episode (protocol 1.2)."""
+
+FORK_MODE_UNSPECIFIED: ForkMode.ValueType  # 0
+"""Not reported (a server older than 1.2)."""
+FORK_MODE_COPY: ForkMode.ValueType  # 1
+"""The environment's state is copied directly: the fork is exact."""
+FORK_MODE_REPLAY: ForkMode.ValueType  # 2
+"""The fork replays the episode's actions (e.g. its notebook cells) on a copy of
+its workspace: exact when those actions are deterministic.
+"""
+FORK_MODE_UNSUPPORTED: ForkMode.ValueType  # 3
+"""The environment cannot fork; Fork answers UNIMPLEMENTED (reason UNSUPPORTED)."""
+Global___ForkMode: _TypeAlias = ForkMode  # noqa: Y015
+
+@_typing.final
+class ForkRequest(_message.Message):
+    """Copies a live episode (protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Client-chosen id; a retried Fork with the same id returns the same fork and
+    never opens a second one.
+    """
+    episode_id: _builtins.str
+    """The episode to copy: open, owned by the caller, and not finished."""
+    @_builtins.property
+    def trace_context(self) -> _common_pb2.TraceContext:
+        """Trace context of the caller."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        trace_context: _common_pb2.TraceContext | None = ...,
+        episode_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["trace_context", b"trace_context"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "request_id", b"request_id", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkRequest: _TypeAlias = ForkRequest  # noqa: Y015
+
+@_typing.final
+class ForkResponse(_message.Message):
+    """The new episode (protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    PARENT_EPISODE_ID_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    episode_id: _builtins.str
+    """Id of the fork, to pass to Step, Verify, Fork and Close."""
+    parent_episode_id: _builtins.str
+    """The episode it was copied from."""
+    step_count: _builtins.int
+    """Steps the parent had applied when it was copied; the fork's next Step
+    answers step_count + 1.
+    """
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]:
+        """Tools available in the fork (the parent's)."""
+
+    def __init__(
+        self,
+        *,
+        episode_id: _builtins.str = ...,
+        parent_episode_id: _builtins.str = ...,
+        step_count: _builtins.int = ...,
+        tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "parent_episode_id", b"parent_episode_id", "step_count", b"step_count", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkResponse: _TypeAlias = ForkResponse  # noqa: Y015
 
 @_typing.final
 class EnvironmentServiceDescribeRequest(_message.Message):
@@ -96,10 +201,13 @@ class EnvironmentInfo(_message.Message):
     SPLITS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
+    FORK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name used in ResetRequest.env."""
     description: _builtins.str
     """What the environment asks of the agent."""
+    fork: Global___ForkMode.ValueType
+    """How Fork copies an episode of this environment (protocol 1.2)."""
     @_builtins.property
     def splits(self) -> _containers.RepeatedCompositeFieldContainer[Global___SplitInfo]:
         """Dataset splits and their sizes."""
@@ -122,10 +230,11 @@ class EnvironmentInfo(_message.Message):
         splits: _abc.Iterable[Global___SplitInfo] | None = ...,
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
         provenance: _common_pb2.Provenance | None = ...,
+        fork: Global___ForkMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "fork", b"fork", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -748,6 +857,7 @@ class SessionRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    FORK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def reset(self) -> Global___ResetRequest:
         """Start an episode."""
@@ -768,6 +878,12 @@ class SessionRequest(_message.Message):
     def cancel(self) -> Global___CancelRequest:
         """Stop one operation still running on this stream (protocol 1.2)."""
 
+    @_builtins.property
+    def fork(self) -> Global___ForkRequest:
+        """Copy an episode into a new one (protocol 1.2); the fork is closed with
+        the stream like any episode opened on it.
+        """
+
     def __init__(
         self,
         *,
@@ -776,12 +892,13 @@ class SessionRequest(_message.Message):
         verify: Global___VerifyRequest | None = ...,
         close: Global___CloseRequest | None = ...,
         cancel: Global___CancelRequest | None = ...,
+        fork: Global___ForkRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "fork", b"fork", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "fork", b"fork", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "cancel", "fork"]  # noqa: Y015
     _WhichOneofArgType_operation: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_operation) -> _WhichOneofReturnType_operation | None: ...
 
@@ -885,6 +1002,7 @@ class SessionResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    FORK_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request_id of the operation this answers."""
     episode_id: _builtins.str
@@ -919,6 +1037,10 @@ class SessionResponse(_message.Message):
     def cancel(self) -> Global___CancelResponse:
         """Answer to a cancel (protocol 1.2)."""
 
+    @_builtins.property
+    def fork(self) -> Global___ForkResponse:
+        """Answer to a fork (protocol 1.2)."""
+
     def __init__(
         self,
         *,
@@ -931,12 +1053,13 @@ class SessionResponse(_message.Message):
         error: _status_pb2.Status | None = ...,
         heartbeat: Global___SessionHeartbeat | None = ...,
         cancel: Global___CancelResponse | None = ...,
+        fork: Global___ForkResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "error", b"error", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "error", b"error", "fork", b"fork", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "episode_id", b"episode_id", "error", b"error", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "episode_id", b"episode_id", "error", b"error", "fork", b"fork", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat", "cancel", "fork"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

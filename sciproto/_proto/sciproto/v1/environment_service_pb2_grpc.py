@@ -65,6 +65,11 @@ class EnvironmentServiceStub:
                 request_serializer=sciproto_dot_v1_dot_environment__service__pb2.SessionRequest.SerializeToString,
                 response_deserializer=sciproto_dot_v1_dot_environment__service__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/sciproto.v1.EnvironmentService/Fork',
+                request_serializer=sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.SerializeToString,
+                response_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -117,6 +122,15 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """Copies a live episode into a new episode at its current step (protocol 1.2):
+        same task, same state, independent from then on. The fork counts against the
+        caller's live-episode quota and is closed like any episode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +163,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=sciproto_dot_v1_dot_environment__service__pb2.SessionRequest.FromString,
                     response_serializer=sciproto_dot_v1_dot_environment__service__pb2.SessionResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.FromString,
+                    response_serializer=sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +333,33 @@ class EnvironmentService:
             '/sciproto.v1.EnvironmentService/Session',
             sciproto_dot_v1_dot_environment__service__pb2.SessionRequest.SerializeToString,
             sciproto_dot_v1_dot_environment__service__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sciproto.v1.EnvironmentService/Fork',
+            sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.SerializeToString,
+            sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,11 @@ class EnvironmentServiceStub:
     """Many episodes multiplexed on one stream; every episode opened on the
     stream is closed when the stream ends, however it ends.
     """
+    Fork: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ForkRequest, _environment_service_pb2.ForkResponse]
+    """Copies a live episode into a new episode at its current step (protocol 1.2):
+    same task, same state, independent from then on. The fork counts against the
+    caller's live-episode quota and is closed like any episode.
+    """
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -77,6 +82,11 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     Session: _aio.StreamStreamMultiCallable[_environment_service_pb2.SessionRequest, _environment_service_pb2.SessionResponse]  # type: ignore[assignment]
     """Many episodes multiplexed on one stream; every episode opened on the
     stream is closed when the stream ends, however it ends.
+    """
+    Fork: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ForkRequest, _environment_service_pb2.ForkResponse]  # type: ignore[assignment]
+    """Copies a live episode into a new episode at its current step (protocol 1.2):
+    same task, same state, independent from then on. The fork counts against the
+    caller's live-episode quota and is closed like any episode.
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -134,6 +144,17 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_environment_service_pb2.SessionResponse], _abc.AsyncIterator[_environment_service_pb2.SessionResponse]]:
         """Many episodes multiplexed on one stream; every episode opened on the
         stream is closed when the stream ends, however it ends.
+        """
+
+    @_abc_1.abstractmethod
+    def Fork(
+        self,
+        request: _environment_service_pb2.ForkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.ForkResponse, _abc.Awaitable[_environment_service_pb2.ForkResponse]]:
+        """Copies a live episode into a new episode at its current step (protocol 1.2):
+        same task, same state, independent from then on. The fork counts against the
+        caller's live-episode quota and is closed like any episode.
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
