@@ -55,12 +55,14 @@ def tool_calls_action(*calls: tuple[str, Mapping[str, Any]], content: str = "") 
 
 def reset_request(env: str, *, split: str | None = None, index: int | None = None,
                   inline: Mapping[str, str] | None = None, seed: int | None = None,
-                  request_id: str | None = None) -> env_pb2.ResetRequest:
-    """A ResetRequest for a dataset task (split and index) or an inline task (its fields)."""
+                  request_id: str | None = None,
+                  options: Mapping[str, str] | None = None) -> env_pb2.ResetRequest:
+    """A ResetRequest for a dataset task (split and index) or an inline task (its fields), with
+    the environment's per-episode `options` (notebook: {"observation": "history" | "state"})."""
     if (inline is None) == (split is None or index is None):
         raise ValueError("reset takes either split= and index= (a dataset task) or inline= (task fields)")
     request = env_pb2.ResetRequest(request_id=request_id or new_request_id(), env=env, seed=seed,
-                                   trace_context=current_trace_context())
+                                   trace_context=current_trace_context(), options=options)
     if inline is not None:
         request.inline_task.fields.update(inline)
     else:
@@ -130,8 +132,10 @@ class EnvClient:
 
     async def reset(self, env: str, *, split: str | None = None, index: int | None = None,
                     inline: Mapping[str, str] | None = None, seed: int | None = None,
-                    request_id: str | None = None, timeout: float | None = None) -> env_pb2.ResetResponse:
-        request = reset_request(env, split=split, index=index, inline=inline, seed=seed, request_id=request_id)
+                    request_id: str | None = None, timeout: float | None = None,
+                    options: Mapping[str, str] | None = None) -> env_pb2.ResetResponse:
+        request = reset_request(env, split=split, index=index, inline=inline, seed=seed, request_id=request_id,
+                                options=options)
         return await self._call(self._stub.Reset, request, timeout)
 
     async def step(self, episode_id: str, action: common_pb2.ChatMessage, *, request_id: str | None = None,
@@ -180,8 +184,10 @@ class EnvSession:
 
     async def reset(self, env: str, *, split: str | None = None, index: int | None = None,
                     inline: Mapping[str, str] | None = None, seed: int | None = None,
-                    request_id: str | None = None, timeout: float | None = None) -> env_pb2.ResetResponse:
-        request = reset_request(env, split=split, index=index, inline=inline, seed=seed, request_id=request_id)
+                    request_id: str | None = None, timeout: float | None = None,
+                    options: Mapping[str, str] | None = None) -> env_pb2.ResetResponse:
+        request = reset_request(env, split=split, index=index, inline=inline, seed=seed, request_id=request_id,
+                                options=options)
         answer = await self._run(env_pb2.SessionRequest(reset=request), request.request_id, timeout)
         return answer.reset
 

@@ -127,11 +127,11 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def _reset(self, request: env_pb2.ResetRequest) -> env_pb2.ResetResponse:
         source = self._source(request.env)
-        if request.options:
-            raise InvalidArgument(
-                f"environment {request.env!r} takes no per-episode options (got {sorted(request.options)});"
-                " environment options are set in the server's configuration (env_options)",
-                Reason.INVALID_REQUEST)
+        options = dict(request.options)
+        try:
+            source.check_episode_options(options)
+        except ValueError as error:
+            raise InvalidArgument(str(error), Reason.INVALID_REQUEST) from None
         which = request.WhichOneof("task")
         if which == "task_ref":
             split, index = request.task_ref.split, request.task_ref.index
@@ -145,6 +145,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             raise InvalidArgument("ResetRequest names no task: set task_ref {split, index} or inline_task",
                                   Reason.INVALID_REQUEST)
         seed = request.seed if request.HasField("seed") else None
+        if options:
+            make = functools.partial(_configured, source, make, options)
         episode, observations = await self.registry.open(request.env, make, seed)
         tools = convert.tools_to_proto(episode.tools)
         self.tools_seen[request.env] = tools
@@ -335,6 +337,13 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                                max_in_flight=self.config.session_max_in_flight)
         async for response in stream.run(request_iterator):
             yield response
+
+
+async def _configured(source: EnvironmentSource, make: Callable[[], Awaitable[Environment]],
+                      options: dict[str, str]) -> Environment:
+    env = await make()
+    source.configure(env, options)
+    return env
 
 
 async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Environment:

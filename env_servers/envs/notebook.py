@@ -9,14 +9,15 @@ A submit_answer tool ends the episode: reward 1 for a correct answer, 0 otherwis
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 import nbformat
-from aviary.core import Environment, Message, Messages, Tool
+from aviary.core import Environment, Message, Messages, Tool, ToolRequestMessage
 from aviary.envs.notebook import NBEnvironment, NBEnvironmentState
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.envs.source import (
@@ -97,6 +98,22 @@ class NotebookOptions(BaseModel):
                                 if name in type(self).model_fields})
 
 
+class NotebookEpisodeOptions(BaseModel):
+    """Per-episode options of the notebook environment (ResetRequest.options)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    observation: Literal["history", "state"] = Field(
+        default="history",
+        description="history: each step's observations are its tool results and the notebook, to be"
+        " appended to the conversation; state: each step's observation is the whole view (instruction,"
+        " earlier actions in short, the current notebook) and replaces the conversation")
+
+
+# The state view lists at most this many earlier actions (the latest), each cut to ACTION_CHARS.
+STATE_ACTIONS, ACTION_CHARS = 12, 160
+
+
 class SandboxedKernelState(NBEnvironmentState):
     """The notebook's state with its kernel in a sandbox on the episode's workspace."""
 
@@ -141,6 +158,8 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         )
         self.task = task
         self.options = options
+        self.observation = "history"  # NotebookEpisodeOptions.observation
+        self.action_log: list[str] = []  # the agent's actions in short, for the state view
         self.reward_components: RewardComponents = {}
 
     async def reset(self) -> tuple[Messages, list[Tool]]:
@@ -154,8 +173,30 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
             del self.state
             raise
         self.reward_components = {}
+        self.action_log = []
         self.tools = [*tools, Tool.from_function(self.submit_answer)]
         return [Message(content=self.task.prompt()), *notebook_observations], self.tools
+
+    async def step(self, action: Message) -> tuple[Messages, float, bool, bool]:
+        observations, reward, terminated, truncated = await super().step(action)
+        self.action_log.extend(_short_actions(action, observations))
+        if self.observation == "state":
+            observations = [self.state_view()]
+        return observations, reward, terminated, truncated
+
+    def state_view(self) -> Message:
+        """The instruction, the latest earlier actions in short, and the notebook as it is now: a
+        prompt whose size does not grow with the number of steps (only with the notebook)."""
+        earlier = self.action_log[-STATE_ACTIONS:]
+        omitted = len(self.action_log) - len(earlier)
+        lines = ([f"({omitted} earlier actions not shown)"] if omitted else []) + [
+            f"{len(self.action_log) - len(earlier) + number + 1}. {line}" for number, line in enumerate(earlier)]
+        notebook = self.get_env_state_msg()
+        text = (f"{self.task.prompt()}\n\nYour actions so far:\n" + ("\n".join(lines) or "(none)")
+                + f"\n\n{notebook.content if not notebook.content_is_json_str else _text_of(notebook)}")
+        if notebook.content_is_json_str:  # the notebook has images: keep them
+            return Message.create_message(text=text, images=_images_of(notebook))
+        return Message(content=text)
 
     async def _run_notebook_local(self, cell_idx: int | None = None) -> str:
         """Run the cells (all, or `cell_idx`) in the sandboxed kernel under the cell limits. A
@@ -193,6 +234,7 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         cells run again in order, so that the kernel has the variables they made. Exact when the
         cells are deterministic. A replayed cell stopped by a limit fails the fork."""
         twin = DataAnalysisEnv(self.task, self.options.data_dir, self.options)
+        twin.observation = self.observation
         twin.work_dir = self.state.work_dir  # reset copies this folder into a fresh workspace
         try:
             await twin.reset()
@@ -211,6 +253,7 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
             twin.state.total_reward, twin.state.done = self.state.total_reward, self.state.done
             twin.state.answer, twin.state.actions = self.state.answer, list(self.state.actions)
             twin.reward_components = dict(self.reward_components)
+            twin.action_log = list(self.action_log)
         except BaseException:
             await twin.close()
             raise
@@ -246,7 +289,9 @@ class NotebookSource(EnvironmentSource):
     description = (
         "Data-analysis questions on CSV files answered in a local Jupyter notebook; tools:"
         " edit_cell(contents, idx), list_workdir(), submit_answer(answer)."
-        " Reward 1 for a correct submitted answer, else 0."
+        " Reward 1 for a correct submitted answer, else 0. Reset option observation: history (default:"
+        " each step's observations are appended) | state (each step's observation is the whole view:"
+        " instruction, earlier actions in short, current notebook)."
     )
 
     fork_mode = FORK_REPLAY
@@ -314,6 +359,18 @@ class NotebookSource(EnvironmentSource):
             raise ForkUnsupportedError(f"{type(env).__name__} is not a notebook environment of this server")
         return await env.fork()
 
+    def check_episode_options(self, options: Mapping[str, str]) -> None:
+        try:
+            NotebookEpisodeOptions.model_validate(dict(options))
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+            raise ValueError(f"notebook per-episode options: {problems} (it takes observation: history | state)"
+                             ) from None
+
+    def configure(self, env: Environment, options: Mapping[str, str]) -> None:
+        if isinstance(env, DataAnalysisEnv):
+            env.observation = NotebookEpisodeOptions.model_validate(dict(options)).observation
+
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         return no_submission(0.0)
 
@@ -327,3 +384,32 @@ class NotebookSource(EnvironmentSource):
             return no_submission(0.0)
         correct = self._tasks[split][index].is_correct(answer)
         return float(correct), {"correct": float(correct), "submitted": 1.0}
+
+
+def _short_actions(action: Message, observations: Messages) -> list[str]:
+    """One line per tool call of `action`: the call, its first arguments, and the start of its
+    result (the tool message answering it)."""
+    if not isinstance(action, ToolRequestMessage) or not action.tool_calls:
+        return [_cut(f"replied without a tool call: {action.content or ''}")]
+    results = {getattr(m, "tool_call_id", None): m.content or "" for m in observations}
+    lines = []
+    for call in action.tool_calls:
+        arguments = ", ".join(f"{name}={value!r}" for name, value in call.function.arguments.items())
+        result = results.get(call.id, "")
+        lines.append(_cut(f"{call.function.name}({arguments}) -> {result}"))
+    return lines
+
+
+def _cut(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= ACTION_CHARS else flat[:ACTION_CHARS - 3] + "..."
+
+
+def _text_of(message: Message) -> str:
+    parts = json.loads(message.content or "[]")
+    return "\n".join(part.get("text", "") for part in parts if part.get("type") == "text")
+
+
+def _images_of(message: Message) -> list[str]:
+    parts = json.loads(message.content or "[]")
+    return [part["image_url"]["url"] for part in parts if part.get("type") == "image_url"]

@@ -182,6 +182,17 @@ class EnvironmentSource(ABC):
             f"environment {self.name!r} cannot score a stored trajectory of an inline task; replay it instead"
         )
 
+    def check_episode_options(self, options: Mapping[str, str]) -> None:
+        """ValueError, saying what is accepted, unless this source takes `options` (a Reset's
+        per-episode options). The default: no per-episode options at all."""
+        if options:
+            raise ValueError(f"environment {self.name!r} takes no per-episode options (got {sorted(options)});"
+                             " environment options are set in the server's configuration (env_options)")
+
+    def configure(self, env: Environment, options: Mapping[str, str]) -> None:
+        """Apply checked per-episode `options` to a fresh `env` before its reset; the default
+        takes none."""
+
     async def fork(self, env: Environment) -> Environment:
         """A new environment in the state `env` is in now (reset already), independent of it from
         then on; the caller owns it and must `close()` it. `env` is not changed. The default:
