@@ -16,7 +16,8 @@ from learner.distributed import broadcast_groups, current_context
 from learner.trainer import GRPOTrainer
 
 WORLD_SIZE = 2
-CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40, shared_prefix_min_tokens=4)
+# Two optimizer steps per batch: the pi_old pass and both steps run their collectives in step.
+CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40, shared_prefix_min_tokens=4, mini_batches=2)
 
 
 def _batches() -> list:
