@@ -38,7 +38,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.env_client import EnvClient
-from clients.policy_client import GenerationGroup, PolicyClient, generate_request
+from clients.policy_client import GenerationGroup, PolicyClient, generate_request, text_only
 from clients.replicas import Replica, ReplicaPool
 from clients.retries import Deadlines, RetryPolicy, call_with_deadline, with_retries
 from clients.rollouts import (
@@ -170,7 +170,9 @@ async def generate(policy: PolicyPool, settings: AgentSettings, messages: Sequen
     again (to another replica when one is marked down), within `settings.retries`."""
     sampling = settings.sampling
     request = generate_request(
-        messages=messages, tools=tools, previous_token_ids=previous_token_ids, n=n,
+        # The policy models served here take text: image parts stay in the transcript (and the
+        # rollout record) and the policy sees the message's text.
+        messages=[text_only(message) for message in messages], tools=tools, previous_token_ids=previous_token_ids, n=n,
         temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
         stop=sampling.stop, seed=sampling.seed, request_id=uuid.uuid4().hex)
     request.trace_context.CopyFrom(current_trace_context())
