@@ -16,6 +16,8 @@ One JSON object per line, UTF-8:
                    "tool_call_id": "", "name": ""}, ...],
      "token_ids": [...], "loss_mask": [...], "logprobs": [...],  # whole trajectory, aligned
      "version_spans": [[start, end, version], ...],             # indices into token_ids
+     "turn_finish_reasons": ["stop" | "length" | "abort" | "unspecified", ...],  # per policy turn
+     "step_rewards": [0.0, ...],                                # each Step's reward, in order
      "tokens": {"prompt": 120, "completion": 40},
      "policy_version": {"min": 3, "max": 4},
      "seconds": 1.73, "trace_id": "32 hex chars or empty", "error": null | "what failed",
@@ -24,7 +26,9 @@ One JSON object per line, UTF-8:
 `loss_mask` is 1 for tokens the policy sampled and 0 for prompt and environment tokens;
 `logprobs` is the sampling log-probability where the mask is 1 and 0 elsewhere. An INFRA_ERROR
 rollout (the environment failed, or a server stayed unreachable) must never be trained on; its
-reward is 0 only as a placeholder and `error` says what failed.
+reward is 0 only as a placeholder and `error` says what failed. `turn_finish_reasons` says why each
+policy turn ended ("length": cut by its token limit); `step_rewards` holds the environment's reward
+of each Step (`reward` is the Verify grade). Both are empty in files written before they existed.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from sciproto.pb import common_pb2
+from sciproto.pb import common_pb2, policy_pb2
 
 SCHEMA = "sciproto.rollout/1"
 
@@ -65,6 +69,21 @@ _ROLE_NAMES = {
 
 def status_from_pb(status: int) -> RolloutStatus:
     return _STATUS_FROM_PB[status]
+
+
+FinishReasonName = Literal["stop", "length", "abort", "unspecified"]
+FINISH_REASON_TO_PB: dict[str, int] = {
+    "unspecified": policy_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": policy_pb2.FINISH_REASON_STOP,
+    "length": policy_pb2.FINISH_REASON_LENGTH,
+    "abort": policy_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_REASON_FROM_PB = {number: name for name, number in FINISH_REASON_TO_PB.items()}
+
+
+def finish_reason_name(reason: int) -> FinishReasonName:
+    """A policy FinishReason as the record's name; a number this client does not know is "unspecified"."""
+    return _FINISH_REASON_FROM_PB.get(reason, "unspecified")  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, order=True)
@@ -166,6 +185,9 @@ class RolloutRecord(BaseModel):
     loss_mask: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     version_spans: list[tuple[int, int, int]] = Field(default_factory=list)
+    turn_finish_reasons: list[FinishReasonName] = Field(
+        default_factory=list, description='Why each policy turn ended, in order; "length": cut by its token limit')
+    step_rewards: list[float] = Field(default_factory=list, description="The environment's reward of each Step, in order")
     tokens: TokenCounts = Field(default_factory=TokenCounts)
     policy_version: VersionRange = Field(default_factory=VersionRange)
     seconds: float = 0.0

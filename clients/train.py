@@ -44,7 +44,13 @@ from tqdm import tqdm
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
 from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from clients.rollouts import (
+    FINISH_REASON_TO_PB,
+    RolloutGroup,
+    RolloutRecord,
+    RolloutStatus,
+    TaskKey,
+)
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 from learner.server_config import LearnerServerConfig
@@ -209,6 +215,7 @@ def choose_run_dir(run: RunSettings) -> Path:
 
 
 def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
+    """The learner's message for one rollout record, finish reasons and step rewards included."""
     return learner_pb2.Rollout(
         sample_index=record.sample,
         token_ids=record.token_ids,
@@ -225,6 +232,8 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
             detail=record.reward_detail or (record.error or ""),
         ),
         turns=record.steps,
+        turn_finish_reasons=[FINISH_REASON_TO_PB[reason] for reason in record.turn_finish_reasons],
+        step_rewards=record.step_rewards,
     )
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from env_servers.catalog import EnvironmentSource, load_source
 from env_servers.config import EnvServerConfig
+from env_servers.sandbox import SandboxUnavailable
 from env_servers.service import EnvironmentService
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_config, resolve_path
@@ -43,7 +44,7 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
     for name in settings.envs:
         try:
             sources[name] = load_source(name, settings.env_options.get(name, {}))
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, SandboxUnavailable) as error:
             raise ConfigError(f"environment {name!r} cannot be hosted: {error}") from error
     return sources
 

@@ -66,9 +66,15 @@ class LearnerServerConfig(BaseModel):
     push_timeout_s: float = Field(
         300.0, gt=0, description="Longest a weight push to one server may take"
     )
-    push_transport: Literal["grpc", "nccl"] = Field(
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the pushed weights (the trainer keeps fp32 masters): auto asks each "
+        "policy server (Describe) which dtype it serves; they must agree",
+    )
+    push_transport: Literal["grpc", "nccl", "gloo"] = Field(
         "grpc",
-        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync)",
+        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync); "
+        "gloo: the same over a CPU gloo group (learner.collective_push)",
     )
     nccl: dict[str, Any] = Field(
         default_factory=dict, description="Options of the NCCL weight transfer"

@@ -36,11 +36,11 @@ from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, 
 from learner.metrics import MetricsLogger
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepMetrics
-from learner.types import RewardStatus, RolloutGroup, TrainSample
+from learner.types import FinishReason, RewardStatus, RolloutGroup, TrainSample
 from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
-from sciproto.pb import common_pb2, learner_pb2
+from sciproto.pb import common_pb2, learner_pb2, policy_pb2
 from sciproto.server import server_info
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,13 @@ _STATUS_FROM_PB = {
     common_pb2.REWARD_STATUS_UNSCORED: RewardStatus.UNSCORED,
     common_pb2.REWARD_STATUS_UNSPECIFIED: RewardStatus.UNSCORED,  # the contract: read as UNSCORED
     common_pb2.REWARD_STATUS_INFRA_ERROR: RewardStatus.INFRA_ERROR,
+}
+
+_FINISH_FROM_PB = {
+    policy_pb2.FINISH_REASON_UNSPECIFIED: FinishReason.UNSPECIFIED,
+    policy_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    policy_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    policy_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
 }
 
 
@@ -94,6 +101,8 @@ def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int) -> TrainSample
             reward=rollout.reward.value,
             reward_status=_reward_status(rollout),
             sample_index=rollout.sample_index,
+            turn_finish_reasons=_finish_reasons(rollout),
+            step_rewards=list(rollout.step_rewards),
         )
     except ValidationError as error:
         reasons = "; ".join(e["msg"] for e in error.errors())
@@ -108,6 +117,18 @@ def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:
             "RewardStatus; use REWARD_STATUS_SCORED, _UNSCORED or _INFRA_ERROR"
         )
     return status
+
+
+def _finish_reasons(rollout: learner_pb2.Rollout) -> list[FinishReason]:
+    reasons = []
+    for turn, number in enumerate(rollout.turn_finish_reasons):
+        if number not in _FINISH_FROM_PB:  # a reason from a newer contract: it may mean a cut
+            raise InvalidGroup(
+                f"sample {rollout.sample_index}: turn_finish_reasons[{turn}] = {number} is not a "
+                "known FinishReason; use FINISH_REASON_STOP, _LENGTH, _ABORT or _UNSPECIFIED"
+            )
+        reasons.append(_FINISH_FROM_PB[number])
+    return reasons
 
 
 def group_from_pb(group: learner_pb2.RolloutGroup, vocab_size: int) -> RolloutGroup:

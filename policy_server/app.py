@@ -49,7 +49,8 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
         options = config.transformers
         loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
         backend = TransformersBackend(loaded, batch_window_s=options.batch_window_s,
-                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval)
+                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval,
+                                      collective=config.weights.collective)
         tokenize = functools.partial(prompt_token_ids, loaded.tokenizer, stop_token_ids=loaded.stop_token_ids)
         return backend, tokenize
     module_name = _OPTIONAL_BACKENDS[config.backend]
@@ -70,6 +71,7 @@ async def serve(config: PolicyServerConfig, authenticator: Authenticator | None)
     try:
         running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
                                      auth=authenticator)
+        servicer.health = running.health
         info = backend.info()
         log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host,
                  running.port)

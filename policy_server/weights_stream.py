@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from policy_server.types import TensorSpec, dtype_name
-from sciproto.errors import FailedPrecondition, InvalidArgument, Reason, Unimplemented
+from sciproto.errors import FailedPrecondition, InvalidArgument, Reason
 from sciproto.pb import policy_pb2
 
 MiB = 1024 * 1024
@@ -141,10 +141,12 @@ def parse_request(wire: bytes) -> policy_pb2.UpdateWeightsRequest | memoryview:
 def check_header(header: policy_pb2.WeightsHeader, manifest: Sequence[TensorSpec],
                  current_version: int) -> list[TensorSpec]:
     """The header's tensors as specs, in stream order, after checking them against the model's
-    manifest; raises the error the client must see before any data is read."""
-    if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
-        raise Unimplemented("this server receives weights only as gRPC chunks; set transport to "
-                            "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
+    manifest; raises the error the client must see before any data is read. Whether the server
+    can take the header's transport is the service's question (its backend's capabilities)."""
+    if header.transport not in (policy_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS,
+                                policy_pb2.WEIGHT_TRANSPORT_NCCL):
+        raise InvalidArgument(f"header.transport {header.transport} is not a WeightTransport this server knows",
+                              Reason.INVALID_REQUEST)
     expected = {spec.name: spec for spec in manifest}
     specs, seen = [], set()
     for index, tensor in enumerate(header.tensors):

@@ -39,6 +39,7 @@ class Reason(enum.StrEnum):
     WEIGHTS_INCOMPLETE = "WEIGHTS_INCOMPLETE"  # stream ended before total_bytes
     STALE_VERSION = "STALE_VERSION"  # update would not move the version forward
     UPDATE_IN_PROGRESS = "UPDATE_IN_PROGRESS"  # another weight update is being received or applied
+    WEIGHTS_UNAVAILABLE = "WEIGHTS_UNAVAILABLE"  # an update failed part way; serving resumes after a complete one
     UNSUPPORTED = "UNSUPPORTED"  # the backend lacks this capability
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     DUPLICATE_REQUEST = "DUPLICATE_REQUEST"

@@ -17,6 +17,7 @@ from env_servers.catalog import (
     reward_components,
 )
 from env_servers.envs.toy import DigitsTaskDataset
+from tests.conftest import NOTEBOOK_SANDBOX
 from tests.env_servers.answers import expected_answer
 
 
@@ -25,11 +26,12 @@ def call(tool: str, **arguments: object) -> ToolRequestMessage:
 
 
 def kernel_processes() -> list[psutil.Process]:
-    """Jupyter kernels started by this test process."""
+    """Jupyter kernels started by this test process (the kernels themselves, not the bwrap
+    processes of their sandboxes)."""
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if "ipykernel" in " ".join(child.cmdline())
+        if "ipykernel" in " ".join(child.cmdline()) and child.name() != "bwrap"
     ]
 
 
@@ -104,7 +106,7 @@ def printed_output(observation: Message) -> str:
 
 
 async def test_notebook_episode_runs_pandas_in_a_local_kernel() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     index = next(
         i
         for i in range(source.splits["train"])
@@ -141,7 +143,7 @@ async def test_notebook_episode_runs_pandas_in_a_local_kernel() -> None:
 
 
 async def test_notebook_wrong_answer_scores_zero_and_reset_keeps_one_kernel() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     env = await source.make("test", 0)
     await env.reset()
     await env.reset()  # a second reset must replace, not leak, the first kernel
@@ -154,7 +156,7 @@ async def test_notebook_wrong_answer_scores_zero_and_reset_keeps_one_kernel() ->
 
 
 async def test_notebook_answer_checks_and_rescore() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     rounded = next(
         i
         for i in range(source.splits["train"])
