@@ -283,7 +283,10 @@ class Sandbox:
             "PATH": f"{Path(sandbox_python()).parent}:/usr/local/bin:/usr/bin:/bin",
             "HOME": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8",
             "TMPDIR": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "IPYTHONDIR": "/tmp/ipython",
-            "JUPYTER_RUNTIME_DIR": "/tmp/jupyter", "PYTHONNOUSERSITE": "1", "MPLBACKEND": "Agg",
+            "JUPYTER_RUNTIME_DIR": "/tmp/jupyter", "PYTHONNOUSERSITE": "1",
+            # Jupyter's inline backend: headless like Agg, and a figure a cell draws comes back as an
+            # image/png output (which the notebook environment sends as an image part).
+            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
             "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         }
 
