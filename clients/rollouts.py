@@ -21,7 +21,8 @@ One JSON object per line, UTF-8:
      "tokens": {"prompt": 120, "completion": 40},
      "policy_version": {"min": 3, "max": 4},
      "seconds": 1.73, "trace_id": "32 hex chars or empty", "error": null | "what failed",
-     "finished_at": "ISO 8601 UTC"}
+     "finished_at": "ISO 8601 UTC",
+     "detail": "full" | "summary"}                               # summary: no per-token arrays
 
 `loss_mask` is 1 for tokens the policy sampled and 0 for prompt and environment tokens;
 `logprobs` is the sampling log-probability where the mask is 1 and 0 elsewhere. An INFRA_ERROR
@@ -29,6 +30,15 @@ rollout (the environment failed, or a server stayed unreachable) must never be t
 reward is 0 only as a placeholder and `error` says what failed. `turn_finish_reasons` says why each
 policy turn ended ("length": cut by its token limit); `step_rewards` holds the environment's reward
 of each Step (`reward` is the Verify grade). Both are empty in files written before they existed.
+
+Why full files are large: a line holds every token id, its loss-mask bit and its log-probability
+(a float written as up to 20 characters of JSON text) for the whole trajectory, prompt included,
+so a rollout of a few hundred tokens takes several kilobytes, most of it logprobs, and a training
+run writes one line per sample of every group. A *summary* line (`detail: "summary"`, written by
+`sciproto collect --rollouts summary` or `rollout.rollouts_file: summary` in training) keeps
+everything else (ids, task, status, reward and components, messages, token counts, versions,
+timings) and leaves the three arrays and `version_spans` empty: the transcript and figures stay,
+the trainable tokens go. `sciproto view` reads both kinds, in one file or mixed.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from pydantic import BaseModel, Field, model_validator
 from sciproto.pb import common_pb2, policy_pb2
 
 SCHEMA = "sciproto.rollout/1"
+RolloutDetail = Literal["full", "summary"]
 
 
 class RolloutStatus(StrEnum):
@@ -194,6 +205,7 @@ class RolloutRecord(BaseModel):
     trace_id: str = ""
     error: str | None = None
     finished_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    detail: RolloutDetail = Field("full", description="summary: the per-token arrays were left out")
 
     model_config = {"populate_by_name": True}
 
@@ -209,8 +221,13 @@ class RolloutRecord(BaseModel):
             raise ValueError(f"rollout {self.rollout_id}: an INFRA_ERROR rollout must say what failed in `error`")
         return self
 
-    def to_json_line(self) -> str:
-        return self.model_dump_json(by_alias=True) + "\n"
+    def to_json_line(self, detail: RolloutDetail = "full") -> str:
+        """The record as one line; `detail="summary"` leaves out the per-token arrays."""
+        record = self
+        if detail == "summary":
+            record = self.model_copy(update={"token_ids": [], "loss_mask": [], "logprobs": [],
+                                             "version_spans": [], "detail": "summary"})
+        return record.model_dump_json(by_alias=True) + "\n"
 
 
 @dataclass

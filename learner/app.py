@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import yaml
 
 from clients.policy_client import PolicyClient
 from learner.metrics import MetricsLogger
@@ -20,7 +19,7 @@ from learner.trainer import GRPOTrainer
 from learner.weight_push import build_weight_pusher
 from policy_server.weights_stream import PROTO_TO_DTYPE
 from sciproto.auth import Authenticator
-from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
@@ -32,13 +31,7 @@ SECTION = "learner"  # in a config file shared by every component, the learner r
 
 def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> LearnerServerConfig:
     """A learner config file, or the `learner:` section of a file that configures several components."""
-    section = None
-    if config is not None:
-        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
-        section = (
-            SECTION if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict) else None
-        )
-    return load_config(LearnerServerConfig, config, overrides, section=section)
+    return load_component_config(LearnerServerConfig, config, overrides, SECTION)
 
 
 def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:

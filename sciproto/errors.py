@@ -48,6 +48,7 @@ class Reason(enum.StrEnum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     CANCELLED = "CANCELLED"  # a Session operation stopped by the client's cancel
     TOO_MANY_IN_FLIGHT = "TOO_MANY_IN_FLIGHT"  # a Session stream is at its max_in_flight
+    NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA"  # client side: no server of a service answers
     INTERNAL = "INTERNAL"
 
 
