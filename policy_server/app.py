@@ -10,18 +10,19 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import yaml
 
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, PromptTokenizer, register
 from sciproto.auth import Authenticator
-from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import POLICY_SERVICE
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("policy_server")
+
+SECTION = "policy"  # in a config file shared by every component, the policy server reads this section
 
 # Backends other than `transformers` pull in heavy optional packages: imported only when chosen.
 # Each module offers `build_backend(config: PolicyServerConfig) -> PolicyBackend` whose backend
@@ -32,11 +33,7 @@ _OPTIONAL_BACKENDS = {"vllm": "policy_server.backends.vllm_backend",
 
 def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> PolicyServerConfig:
     """A policy config file, or the `policy:` section of a file that configures several components."""
-    section = None
-    if config is not None:
-        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
-        section = "policy" if isinstance(loaded, dict) and isinstance(loaded.get("policy"), dict) else None
-    return load_config(PolicyServerConfig, config, overrides, section=section)
+    return load_component_config(PolicyServerConfig, config, overrides, SECTION)
 
 
 def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptTokenizer]:

@@ -42,6 +42,7 @@ from policy_server.weights_stream import (
     DTYPE_TO_PROTO,
     WeightsReceiver,
     check_header,
+    check_provenance,
     parse_request,
 )
 from sciproto.errors import (
@@ -73,6 +74,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._config = config
         self._active: set[object] = set()  # one token per running Generate call
         self._update_lock = asyncio.Lock()
+        self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
         # The server's health service (set by the app once the server runs): NOT_SERVING while the
         # backend's weights are unavailable.
         self.health: object | None = None
@@ -91,7 +93,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             dtype=DTYPE_TO_PROTO.get(info.dtype, policy_pb2.TENSOR_DTYPE_UNSPECIFIED),
             quantization=info.quantization, max_context_tokens=info.max_context,
             policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
-            active_requests=len(self._active),
+            active_requests=len(self._active), weights_run_id=self._weights_run_id,
         )
 
     # -- Generate ----------------------------------------------------------------------------------
@@ -167,21 +169,26 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                             span: Span) -> policy_pb2.UpdateWeightsResponse:
         """Receive the data chunks of an update whose header came first, and apply it."""
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
+        digest = check_provenance(header.provenance, self._backend.info().model)
         if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
             return await self._apply_collective_update(header, specs, request_iterator)
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
-            if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
-                receiver.write(message)
-                continue
-            if message.WhichOneof("chunk") != "data":
-                raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
-                                      "must be data chunks", Reason.INVALID_REQUEST)
-            receiver.write(message.data)
+            if not isinstance(message, memoryview):  # else a data chunk, read without parsing (parse_request)
+                if message.WhichOneof("chunk") != "data":
+                    raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
+                                          "must be data chunks", Reason.INVALID_REQUEST)
+                message = memoryview(message.data)
+            receiver.write(message)
+            if digest is not None:
+                digest.write(message)
         tensors = receiver.finish()
+        if digest is not None:
+            digest.finish()  # before the swap: a corrupted update never serves
         running_before = set(self._active)
         start = time.perf_counter()
         await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
+        self._weights_run_id = header.provenance.run_id
         span.set_attribute(WEIGHTS_BYTES, receiver.received)
         return self._update_response(receiver.received, time.perf_counter() - start, running_before)
 
@@ -201,6 +208,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         running_before = set(self._active)
         start = time.perf_counter()
         await self._run_update(header.policy_version, receive(header.policy_version, specs))
+        self._weights_run_id = header.provenance.run_id
         return self._update_response(header.total_bytes, time.perf_counter() - start, running_before)
 
     async def _run_update(self, version: int, update: Awaitable[None]) -> None:

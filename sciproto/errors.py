@@ -46,6 +46,9 @@ class Reason(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    CANCELLED = "CANCELLED"  # a Session operation stopped by the client's cancel
+    TOO_MANY_IN_FLIGHT = "TOO_MANY_IN_FLIGHT"  # a Session stream is at its max_in_flight
+    NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA"  # client side: no server of a service answers
     INTERNAL = "INTERNAL"
 
 
@@ -91,6 +94,10 @@ class ResourceExhausted(SciprotoError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Cancelled(SciprotoError):
+    code = grpc.StatusCode.CANCELLED
+
+
 class DeadlineExceeded(SciprotoError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -118,7 +125,7 @@ class Internal(SciprotoError):
 _BY_CODE: dict[grpc.StatusCode, type[SciprotoError]] = {
     cls.code: cls
     for cls in (
-        InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded,
+        InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Cancelled, DeadlineExceeded,
         Unavailable, Unimplemented, Unauthenticated, PermissionDenied, Internal,
     )
 }
