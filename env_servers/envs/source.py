@@ -58,12 +58,13 @@ _TOOL_INFOS: dict[tuple[type, Callable[..., Any]], FunctionInfo] = {}
 
 
 def cached_tool(method: Callable[..., Any], run: Callable[..., Any] | None = None) -> Tool:
-    """The tool `Tool.from_function(method)` makes, for a bound method of an environment, with its
-    schema built once per environment class and method and shared after that.
+    """The tool `Tool.from_function(method)` makes, for a bound method of an environment (or a
+    function), with its schema built once per environment class and method and shared after that.
 
     run: what the tool calls instead of `method`, with the same arguments (a coroutine that
     runs `method` on the event loop, say); by default `method` itself."""
-    key = (type(method.__self__), method.__func__)  # type: ignore[attr-defined]
+    # A bound method: its class and function; a plain function: itself.
+    key = (type(getattr(method, "__self__", None)), getattr(method, "__func__", method))
     info = _TOOL_INFOS.get(key)
     if info is None:
         info = _TOOL_INFOS[key] = Tool.from_function(method).info
