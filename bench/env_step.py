@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,7 @@ class Window:
         return figures
 
 
-def cpu_seconds(processes: list[psutil.Process]) -> float:
+def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
     """User + system CPU time of `processes` and all their children (worker processes)."""
     total = 0.0
     for process in processes:
@@ -140,7 +140,7 @@ class System:
     """One way of running episodes. `servers`: the processes whose CPU counts as the server's."""
 
     name: str
-    servers: list[psutil.Process] = []
+    servers: Sequence[psutil.Process] = ()
 
     async def start(self) -> None:
         pass
