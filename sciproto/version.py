@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 # "MAJOR.MINOR" of the wire contract in proto/sciproto/v1. MINOR grows with
 # backward-compatible additions; a client refuses a server of another MAJOR.
-PROTOCOL_VERSION = "1.1"
+PROTOCOL_VERSION = "1.2"
 
 
 def protocol_compatible(server_protocol: str) -> bool:

@@ -1,7 +1,8 @@
-"""GSM8K-format arithmetic word problems on Aviary's own CalculatorEnv and GSM8kDataset.
+"""GSM8K-format arithmetic word problems on Aviary's own CalculatorEnv, in GSM8kDataset's format.
 
-The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset reads it through
-`hf_source=<that folder>`, so nothing is downloaded.
+The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl, and the short splits); the
+tasks are made from those rows as Aviary's GSM8kDataset makes them (which can read the same folder
+through `hf_source=<that folder>`), so nothing is downloaded.
 """
 
 import ast
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from aviary.core import Environment, Message, Messages, Tool
-from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
+from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig
 from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
 
@@ -31,8 +32,15 @@ from env_servers.envs.source import (
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 
 # Our split name -> (file in DATA_DIR, Aviary's GSM8kDatasetSplit). Aviary's "train" keeps 80% of
-# the training file; "train_full" keeps all of it, which is what a small shipped set wants.
-SPLITS = {"train": ("train.jsonl", "train_full"), "test": ("test.jsonl", "test")}
+# the training file; "train_full" keeps all of it, which is what a small shipped set wants. The
+# short splits (one-step problems, data/gsm8k/generate_short.py) are not files Aviary's dataset
+# reads (it knows only train and test): their CalculatorEnvs are built from the rows directly.
+SPLITS: dict[str, tuple[str, str | None]] = {
+    "train": ("train.jsonl", "train_full"),
+    "test": ("test.jsonl", "test"),
+    "short_train": ("short_train.jsonl", None),
+    "short_test": ("short_test.jsonl", None),
+}
 
 
 class GSM8kOptions(BaseModel):
@@ -161,47 +169,46 @@ class GSM8kSource(EnvironmentSource):
         self.options = options
         self._problems_of: dict[str, list[tuple[str, str, float]]] = {}
         self._config = CalculatorEnvConfig()
-        self._loading = asyncio.Lock()
-        for file_name, _ in SPLITS.values():
-            if not (options.data_dir / file_name).is_file():
+        for split in ("train", "test"):
+            if not (options.data_dir / SPLITS[split][0]).is_file():
                 raise FileNotFoundError(
-                    f"gsm8k data file {options.data_dir / file_name} is missing; run"
+                    f"gsm8k data file {options.data_dir / SPLITS[split][0]} is missing; run"
                     " env_servers/data/gsm8k/generate.py or point data_dir at a GSM8K folder"
                 )
 
     @cached_property
     def _rows(self) -> dict[str, list[dict[str, str]]]:
+        """Rows of every split whose file is there (a GSM8K folder may lack the short splits)."""
         return {
             split: [
                 json.loads(line)
                 for line in (self.options.data_dir / file_name).read_text().splitlines()
             ]
             for split, (file_name, _) in SPLITS.items()
+            if (self.options.data_dir / file_name).is_file()
         }
 
     @property
     def splits(self) -> dict[str, int]:
         return {split: len(rows) for split, rows in self._rows.items()}
 
-    async def _problems(self, split: str) -> list[tuple[str, str, float]]:
-        """(problem_id, problem, answer) of every task of `split`, as Aviary's GSM8kDataset
-        gives them to its CalculatorEnv, read out of its DataFrame once (a row lookup per
-        episode cost more than the rest of a reset)."""
-        async with self._loading:
-            if split not in self._problems_of:
-                dataset = await asyncio.to_thread(
-                    GSM8kDataset, SPLITS[split][1], hf_source=str(self.options.data_dir)
-                )
-                self._config = dataset.config
-                rows = dataset.src_df[["problem_id", "question", "answer_num"]]
-                self._problems_of[split] = [
-                    (str(pid), str(problem), float(answer))
-                    for pid, problem, answer in rows.itertuples(index=False)
-                ]
-        return self._problems_of[split]
+    def _problems(self, split: str) -> list[tuple[str, str, float]]:
+        """(problem_id, problem, answer) of every task of `split`, made once per split from its
+        rows as Aviary's GSM8kDataset makes them (ids `<Aviary split>_<index>`, the number after
+        "#### "). Not read through GSM8kDataset: its Hugging Face loader takes every file of the
+        folder whose name holds the split's (test.jsonl and short_test.jsonl for "test"), and a
+        row lookup in its DataFrame per episode cost more than the rest of a reset."""
+        problems = self._problems_of.get(split)
+        if problems is None:
+            prefix = SPLITS[split][1] or split
+            problems = self._problems_of[split] = [
+                (f"{prefix}_{index}", row["question"], parse_answer_number(row["answer"]))
+                for index, row in enumerate(self._rows[split])
+            ]
+        return problems
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
-        problem_id, problem, answer = (await self._problems(split))[index]
+        problem_id, problem, answer = self._problems(split)[index]
         return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
@@ -209,6 +216,10 @@ class GSM8kSource(EnvironmentSource):
         return BoundedCalculatorEnv(
             problem_id=None, problem=task["question"], answer=parse_answer_number(task["answer"])
         )
+
+    def _task_content(self, split: str, index: int) -> dict[str, str]:
+        row = self._rows[split][index]
+        return {"question": row["question"], "answer": row["answer"]}
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         # The summary reaches the agent (ResetResponse.task_summary): never the answer.
@@ -222,18 +233,26 @@ class GSM8kSource(EnvironmentSource):
         Only the submission is scored: rewards earned by calculator calls are not replayed.
         """
         self.check_task(split, index)
-        env = CalculatorEnv(
-            problem_id=None,
-            problem=self._rows[split][index]["question"],
-            answer=parse_answer_number(self._rows[split][index]["answer"]),
-            config=CalculatorEnvConfig(),
-        )
-        answer = last_tool_argument(messages, "submit_answer", "answer")
-        if answer is None:
-            return no_submission(env.config.incorrect_reward)
-        correct, reward, _ = env.submit_answer(answer)
-        return reward, {"correct": float(correct), "submitted": 1.0}
+        row = self._rows[split][index]
+        return _score_submission(row["question"], parse_answer_number(row["answer"]), messages)
+
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """As `rescore`, against the inline task's question and answer."""
+        require_fields(self.name, task, {"question", "answer"})
+        return _score_submission(task["question"], parse_answer_number(task["answer"]), messages)
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"
         return no_submission(env.config.incorrect_reward)
+
+
+def _score_submission(question: str, answer: float | str, messages: Sequence[Message]) -> tuple[float, RewardComponents]:
+    """The reward CalculatorEnv.submit_answer gives the trajectory's last submission."""
+    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+    submitted = last_tool_argument(messages, "submit_answer", "answer")
+    if submitted is None:
+        return no_submission(env.config.incorrect_reward)
+    correct, reward, _ = env.submit_answer(submitted)
+    return reward, {"correct": float(correct), "submitted": 1.0}

@@ -49,10 +49,18 @@ async def test_problems_are_the_ones_aviary_s_dataset_gives() -> None:
 
     dataset = GSM8kDataset("test", hf_source=str(gsm8k.DATA_DIR))
     source = load_source("gsm8k")
-    for index in (0, 17, len(dataset) - 1):
+    for index in (0, 17, source.splits["test"] - 1):
         ours, theirs = await source.make("test", index), dataset.get_new_env_by_idx(index)
         assert (ours.problem_id, ours.problem, ours.answer) == (theirs.problem_id, theirs.problem, theirs.answer)
         assert ours.config == theirs.config
+
+
+async def test_every_episode_runs_the_problem_its_summary_names() -> None:
+    source = load_source("gsm8k")
+    for split, size in source.splits.items():
+        for index in range(size):
+            env = await source.make(split, index)
+            assert env.problem == source.task_summary(split, index)["question"], (split, index)
 
 
 async def test_short_calls_run_on_the_loop_and_long_ones_on_a_thread() -> None:

@@ -11,6 +11,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.rpc import status_pb2 as _status_pb2
 from sciproto._proto.sciproto.v1 import common_pb2 as _common_pb2
+from sciproto._proto.sciproto.v1 import policy_service_pb2 as _policy_service_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -155,6 +156,8 @@ class Rollout(_message.Message):
     VERSION_SPANS_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
+    TURN_FINISH_REASONS_FIELD_NUMBER: _builtins.int
+    STEP_REWARDS_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """Index of the sample within its group."""
     turns: _builtins.int
@@ -183,6 +186,25 @@ class Rollout(_message.Message):
     def reward(self) -> _common_pb2.Reward:
         """The trajectory's reward."""
 
+    @_builtins.property
+    def turn_finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[_policy_service_pb2.FinishReason.ValueType]:
+        """Why each policy turn ended, in turn order: one entry per Generate whose
+        completion is part of token_ids (from GenerateSample.finish_reason).
+        FINISH_REASON_LENGTH: the completion was cut by its token limit (the
+        request's max_tokens, the trajectory's token budget or the model's
+        context). Empty when the sender does not report finish reasons (protocol
+        1.1 senders).
+        """
+
+    @_builtins.property
+    def step_rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The environment's reward of each Step, in step order
+        (StepResponse.reward.value). The trajectory's reward (`reward`) comes
+        from Verify; these are the per-step signals. A Step whose reward status is
+        INFRA_ERROR makes the whole rollout INFRA_ERROR. Empty when the sender does
+        not report them.
+        """
+
     def __init__(
         self,
         *,
@@ -193,10 +215,12 @@ class Rollout(_message.Message):
         version_spans: _abc.Iterable[_common_pb2.VersionSpan] | None = ...,
         reward: _common_pb2.Reward | None = ...,
         turns: _builtins.int = ...,
+        turn_finish_reasons: _abc.Iterable[_policy_service_pb2.FinishReason.ValueType] | None = ...,
+        step_rewards: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "token_ids", b"token_ids", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -290,9 +314,13 @@ class GroupReceipt(_message.Message):
     """Why not, when refused (stable string: "duplicate", "stale", "invalid",
     "no_signal" (fewer than two scored samples, or all rewards equal), "busy"
     (no buffer slot freed in time; the group may be sent again)).
+    A group sent again while it still waits in the buffer (a client that
+    reconnected) is accepted again, and step results name it to this stream.
     """
     detail: _builtins.str
-    """What to fix, for humans, when refused as "invalid"."""
+    """What to fix, for humans, when refused as "invalid"; for "duplicate", what
+    became of the first copy ("consumed", "stale", "no_signal", "abandoned").
+    """
     def __init__(
         self,
         *,
@@ -340,6 +368,8 @@ class OptimizerStepResult(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     WEIGHTS_PUSHED_FIELD_NUMBER: _builtins.int
+    CONSUMED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    DROPPED_STALE_GROUP_IDS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Optimizer steps taken, this one included."""
     policy_version: _builtins.int
@@ -352,6 +382,20 @@ class OptimizerStepResult(_message.Message):
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Metrics of the step, by name (see the README for the list and units)."""
 
+    @_builtins.property
+    def consumed_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The groups this step trained on, among those the receiving stream sent
+        (each stream sees only its own groups' ids; `groups` counts them all).
+        Once named here a group is consumed: the client may forget it.
+        """
+
+    @_builtins.property
+    def dropped_stale_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream dropped when this step took its batch,
+        for being more than max_staleness versions behind by then. A group
+        refused as "stale" on arrival is named by its receipt only, never here.
+        """
+
     def __init__(
         self,
         *,
@@ -360,14 +404,57 @@ class OptimizerStepResult(_message.Message):
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         groups: _builtins.int = ...,
         weights_pushed: _builtins.bool = ...,
+        consumed_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        dropped_stale_group_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "metrics", b"metrics", "policy_version", b"policy_version", "step", b"step", "weights_pushed", b"weights_pushed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed_group_ids", b"consumed_group_ids", "dropped_stale_group_ids", b"dropped_stale_group_ids", "groups", b"groups", "metrics", b"metrics", "policy_version", b"policy_version", "step", b"step", "weights_pushed", b"weights_pushed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OptimizerStepResult: _TypeAlias = OptimizerStepResult  # noqa: Y015
+
+@_typing.final
+class StepFailure(_message.Message):
+    """An optimizer step that failed; the stream goes on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    RETURNED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    ABANDONED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """What failed."""
+
+    @_builtins.property
+    def returned_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream the failed step had taken: back in the
+        buffer, ahead of newer groups; a later step result names them.
+        """
+
+    @_builtins.property
+    def abandoned_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream given up after failing max_step_attempts
+        steps in a row; the learner will not train them (a resend is refused as
+        "duplicate").
+        """
+
+    def __init__(
+        self,
+        *,
+        error: _status_pb2.Status | None = ...,
+        returned_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        abandoned_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned_group_ids", b"abandoned_group_ids", "error", b"error", "returned_group_ids", b"returned_group_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepFailure: _TypeAlias = StepFailure  # noqa: Y015
 
 @_typing.final
 class TrainStepResponse(_message.Message):
@@ -378,6 +465,7 @@ class TrainStepResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    STEP_FAILURE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def receipt(self) -> Global___GroupReceipt:
         """A group was received."""
@@ -390,18 +478,23 @@ class TrainStepResponse(_message.Message):
     def error(self) -> _status_pb2.Status:
         """Something failed that does not end the stream."""
 
+    @_builtins.property
+    def step_failure(self) -> Global___StepFailure:
+        """An optimizer step failed; says which groups went back to the buffer."""
+
     def __init__(
         self,
         *,
         receipt: Global___GroupReceipt | None = ...,
         step: Global___OptimizerStepResult | None = ...,
         error: _status_pb2.Status | None = ...,
+        step_failure: Global___StepFailure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step", "step_failure", b"step_failure"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step", "step_failure", b"step_failure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["receipt", "step", "error"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["receipt", "step", "error", "step_failure"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
