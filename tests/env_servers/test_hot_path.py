@@ -103,3 +103,12 @@ def test_a_spec_is_converted_once_per_tool_info() -> None:
     fresh = CalculatorEnv(None, "q", 1.0)
     fresh_tools = asyncio.run(fresh.reset())[1]
     assert convert.tool_to_proto(fresh_tools[0]) == convert.tool_to_proto(tools[0])
+
+
+def test_a_task_id_worked_out_once_is_the_digest_of_its_content() -> None:
+    from env_servers.envs.source import content_id
+
+    source = load_source("gsm8k")
+    for split, index in [("test", 0), ("test", 5), ("train", 3), ("test", 0)]:
+        assert source.task_id(split, index) == content_id("gsm8k", source._task_content(split, index))
+    assert source.task_id("test", 0) != source.task_id("test", 1)
