@@ -7,9 +7,15 @@ wall-clock budget:
 For each: optimizer steps, wall-clock seconds per step (between the first and the last step
 result, so server start-up is left out), seconds the rollout client had nothing generating, and
 the mean reward of the last steps when the budget ran out.
-Output: {"sync_k0": {...}, "async_k1": {...}, "async_k2": {...},
+Generation and training get CPU cores of their own, the same in every mode: the policy server,
+the env server and this process (the rollout client) run on `--generation-cpus`, the learner on
+`--training-cpus` (taskset / os.sched_setaffinity). On separate devices overlapping the two is the
+point of async GRPO; sharing every core between them would hide it. `--generation-cpus ""`
+turns pinning off.
+Output: {"sync_k0": {...}, "async_k1": {...}, "async_k2": {...}, "cpus": {...},
          "steps_per_s_ratio_k1_over_sync": ..., "reward_gain_k1_over_sync": ..., ...}.
 Usage: python bench/train.py [--seconds 100] [--config demo] [--output FILE] [--set key=value]
+                             [--generation-cpus 0] [--training-cpus 1]
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -62,10 +69,21 @@ def main() -> None:
         default=[],
         help="Config override for every run, key.path=value (repeatable)",
     )
+    parser.add_argument("--generation-cpus", default="0",
+                        help="Cores of the policy and env servers and the rollout client, e.g. 0 or 0,1")
+    parser.add_argument("--training-cpus", default="1", help="Cores of the learner")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    generation = [int(c) for c in args.generation_cpus.split(",") if c]
+    training = [int(c) for c in args.training_cpus.split(",") if c]
+    pinning = []
+    if generation and training:
+        os.sched_setaffinity(0, generation)  # the rollout client runs in this process
+        pinning = [f"processes.env_cpus={generation}", f"processes.policy_cpus={generation}",
+                   f"processes.learner_cpus={training}"]
 
-    results: dict[str, object] = {}
+    results: dict[str, object] = {"cpus": {"generation": generation, "training": training,
+                                           "machine": os.cpu_count()}}
     with tempfile.TemporaryDirectory(prefix="sciproto-bench-") as runs:
         for name, staleness in MODES.items():
             config = load_train_config(
@@ -81,6 +99,7 @@ def main() -> None:
                     "learner.checkpoint_every=0",
                     f"policy.seed={args.seed}",
                     f"learner.grpo.seed={args.seed}",
+                    *pinning,
                     *args.overrides,
                 ],
             )

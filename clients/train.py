@@ -30,20 +30,18 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import grpc
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
-from tqdm import tqdm
 
 from clients import resume
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
+from clients.curriculum import read_curriculum
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import (
     FINISH_REASON_TO_PB,
@@ -53,6 +51,9 @@ from clients.rollouts import (
     RolloutStatus,
     TaskKey,
 )
+from clients.train_display import Progress, RunStatus
+from clients.train_flow import Flow, GroupLedger
+from clients.train_processes import start_servers, stop_servers
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
@@ -60,14 +61,19 @@ from learner.server_config import LearnerServerConfig
 from policy_server.config import PolicyServerConfig
 from sciproto.channel import make_channel
 from sciproto.config import ConfigError, load_config
-from sciproto.errors import from_rpc_error
+from sciproto.errors import Unavailable, from_rpc_error
 from sciproto.pb import common_pb2, learner_grpc, learner_pb2
-from sciproto.processes import ServerProcess, start_server
+from sciproto.processes import ServerProcess
 
 log = logging.getLogger(__name__)
 
 # Ctrl-C, or a supervisor's polite stop: both end the run cleanly with every output written.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+# A broken TrainStep stream with one of these codes is opened again (the learner restarts).
+RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                   grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
+BUSY_RESEND_S = 1.0  # wait before sending again a group the learner had no room for
 
 _STATUS_TO_PB = {
     RolloutStatus.SCORED: common_pb2.REWARD_STATUS_SCORED,
@@ -125,6 +131,10 @@ class RolloutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tasks: str = Field("toy:train", description="ENV:SPLIT, cycled over")
+    curriculum: Path | None = Field(
+        None,
+        description="A curriculum file (`sciproto eval --write-curriculum`): cycle over its tasks of the split only",
+    )
     samples: int = Field(8, ge=2, description="Samples per task: one GRPO group")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
     max_groups_ahead: int | None = Field(
@@ -142,6 +152,14 @@ class RolloutSettings(BaseModel):
     )
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
+    learner_reconnect_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest the learner may stay unreachable (restarting) before the run fails; its "
+            "unsettled groups are sent again once it is back"
+        ),
+    )
 
     def split(self) -> tuple[str, str]:
         env, sep, split = self.tasks.partition(":")
@@ -167,6 +185,21 @@ class ProcessSettings(BaseModel):
     # thread each lets generation and training run side by side instead of fighting for cores.
     policy_threads: int = Field(0, ge=0)
     learner_threads: int = Field(0, ge=0)
+    # CPU cores each server may run on (taskset; empty: any). Giving generation (policy) and
+    # training (learner) cores of their own lets them overlap instead of time-sharing.
+    env_cpus: list[int] = Field(default_factory=list)
+    policy_cpus: list[int] = Field(default_factory=list)
+    learner_cpus: list[int] = Field(default_factory=list)
+
+
+class DisplaySettings(BaseModel):
+    """What the run shows besides the live line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stall_after_s: float = Field(
+        60.0, gt=0, description="Say why when no optimizer step has run for this long"
+    )
 
 
 class TrainConfig(BaseModel):
@@ -182,6 +215,7 @@ class TrainConfig(BaseModel):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     processes: ProcessSettings = Field(default_factory=ProcessSettings)
     progress: bool = Field(True, description="Show a live progress line")
+    display: DisplaySettings = Field(default_factory=lambda: DisplaySettings())
 
     @model_validator(mode="after")
     def _learner_trains_the_served_model(self) -> TrainConfig:
@@ -189,6 +223,13 @@ class TrainConfig(BaseModel):
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
         env, _ = self.rollout.split()
+        if self.rollout.curriculum is not None:
+            curriculum = read_curriculum(self.rollout.curriculum)
+            if curriculum.tasks != self.rollout.tasks:
+                raise ValueError(
+                    f"rollout.curriculum {self.rollout.curriculum} lists tasks of {curriculum.tasks},"
+                    f" but rollout.tasks is {self.rollout.tasks}"
+                )
         if env not in self.env.envs:
             raise ValueError(
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
@@ -288,6 +329,16 @@ class TrainOutcome(BaseModel):
     seconds: float = 0.0
     groups_generated: int = 0
     groups_refused: dict[str, int] = {}
+    # What became of the groups generated (see clients.train_flow): fate -> groups, and the
+    # groups still unsettled when the run stopped (generated, not yet consumed or dropped).
+    groups_settled: dict[str, int] = {}
+    groups_pending: int = 0
+    groups_resent: int = 0  # sent again on a new stream after the learner's stream broke
+    learner_reconnects: int = 0
+    step_failures: int = 0  # learner steps that failed and gave their groups back
+    first_step_s: float | None = None  # seconds to the first optimizer step result
+    # Every fate the client recorded per group id (one each); not written to summary.json.
+    group_fates: dict[str, list[str]] = Field(default_factory=dict, exclude=True)
     completion_tokens: int = 0
     # Seconds during which no group was being generated (the rollout client waited on the learner).
     generation_idle_s: float = 0.0
@@ -323,49 +374,6 @@ def budget_spent(budget: Budget, steps: Sequence[StepRecord]) -> str:
     return ""
 
 
-class _Flow:
-    """Counts that gate the rollout client: groups started vs consumed by the learner, and time
-    spent with nothing generating."""
-
-    def __init__(self, max_ahead: int) -> None:
-        self.max_ahead = max_ahead
-        self.started = 0
-        self.finished = 0
-        self.consumed = 0
-        self.changed = asyncio.Condition()
-        self.idle_s = 0.0
-        self._idle_since: float | None = time.monotonic()
-
-    def _mark(self) -> None:
-        now = time.monotonic()
-        in_flight = self.started - self.finished
-        if in_flight == 0 and self._idle_since is None:
-            self._idle_since = now
-        elif in_flight > 0 and self._idle_since is not None:
-            self.idle_s += now - self._idle_since
-            self._idle_since = None
-
-    async def admit(self) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.started - self.consumed < self.max_ahead)
-            self.started += 1
-            self._mark()
-
-    def group_finished(self) -> None:
-        self.finished += 1
-        self._mark()
-
-    async def consume(self, count: int) -> None:
-        async with self.changed:
-            self.consumed += count
-            self.changed.notify_all()
-
-    def total_idle_s(self) -> float:
-        return self.idle_s + (
-            time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
-        )
-
-
 async def run_rollouts_into_learner(
     config: TrainConfig,
     env_target: str,
@@ -374,17 +382,26 @@ async def run_rollouts_into_learner(
     run_dir: Path,
     stop: asyncio.Event,
     on_step: Callable[[StepRecord, TrainOutcome], None] = lambda *_: None,
+    display: Progress | None = None,
 ) -> TrainOutcome:
-    """Stream rollout groups into the learner until the budget is spent or `stop` is set."""
+    """Stream rollout groups into the learner until the budget is spent or `stop` is set.
+
+    Every group stays in a ledger (clients.train_flow) until the learner settles it; a broken
+    TrainStep stream is opened again (for up to rollout.learner_reconnect_s) and every unsettled
+    group is sent again on it."""
     rollout = config.rollout
     env_name, split = rollout.split()
-    flow = _Flow(config.max_groups_ahead)
+    flow = Flow(config.max_groups_ahead)
+    ledger = GroupLedger()
+    status = RunStatus(batch_groups=config.learner.batch_groups)
     outcome = TrainOutcome(run_dir=str(run_dir))
     outgoing: asyncio.Queue[learner_pb2.TrainStepRequest] = asyncio.Queue()
     started = time.monotonic()
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
         # A resumed run continues after the groups its learner trained, never re-sending one.
         point = resume.resume_point(resume.trained_group_ids(run_dir), env_name, split, size)
         epochs: dict[TaskKey, int] = point.epochs
@@ -394,8 +411,13 @@ async def run_rollouts_into_learner(
         async def tasks() -> AsyncIterator[TaskKey]:
             for number in itertools.count(point.start):
                 await flow.admit()
-                # Epochs over a bounded split; an unbounded one (any index is a task) never repeats.
-                yield TaskKey(env_name, split, number if size is None else number % size)
+                status.groups_generating = flow.in_flight
+                # Epochs over a bounded split (or the curriculum's tasks of it); an unbounded split
+                # (any index is a task) never repeats.
+                if chosen is not None:
+                    yield TaskKey(env_name, split, chosen[number % len(chosen)])
+                else:
+                    yield TaskKey(env_name, split, number if size is None else number % size)
 
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             async for group in collect(
@@ -425,63 +447,140 @@ async def run_rollouts_into_learner(
                 failures_file.flush()
                 outcome.groups_generated += 1
                 outcome.completion_tokens += sum(r.tokens.completion for r in records)
-                outgoing.put_nowait(
-                    learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records))
-                )
+                status.groups_finished = outcome.groups_generated
+                status.rollouts_finished += len(records)
+                status.completion_tokens = outcome.completion_tokens
+                status.groups_generating = flow.in_flight
+                request = learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records))
+                ledger.add(request)
+                outgoing.put_nowait(request)
+
+        async def send_again_later(request: learner_pb2.TrainStepRequest) -> None:
+            await asyncio.sleep(BUSY_RESEND_S)
+            if request.group.group_id in ledger.unsettled:
+                outgoing.put_nowait(request)
 
         async def requests() -> AsyncIterator[learner_pb2.TrainStepRequest]:
+            """One stream's messages: every unsettled group first, then new ones."""
+            while not outgoing.empty():
+                outgoing.get_nowait()  # each is in the ledger, and sent below
+            for request in ledger.to_resend():
+                yield request
             while True:
-                yield await outgoing.get()
+                request = await outgoing.get()
+                if request.group.group_id in ledger.unsettled:
+                    ledger.sent.add(request.group.group_id)
+                    yield request
 
-        async def consume(call: Any) -> None:
-            async for event in call:
-                kind = event.WhichOneof("event")
-                if kind == "receipt":
-                    if not event.receipt.accepted:
-                        reason = event.receipt.reason
-                        outcome.groups_refused[reason] = outcome.groups_refused.get(reason, 0) + 1
-                        if reason == "invalid":
-                            log.warning(
-                                "learner refused group %s: %s",
-                                event.receipt.group_id,
-                                event.receipt.detail,
-                            )
-                        await flow.consume(1)
-                elif kind == "step":
-                    result = event.step
-                    metrics = result.metrics
-                    await flow.consume(result.groups + int(metrics.get("groups_dropped_stale", 0)))
-                    record = StepRecord(
-                        step=result.step,
-                        policy_version=result.policy_version,
-                        reward_mean=metrics.get("reward_mean", math.nan),
-                        policy_lag_mean=metrics.get("policy_lag_mean", 0.0),
-                        groups=result.groups,
-                        seconds=time.monotonic() - started,
+        async def handle(event: learner_pb2.TrainStepResponse) -> None:
+            kind = event.WhichOneof("event")
+            if kind == "receipt":
+                receipt = event.receipt
+                settled, again = ledger.on_receipt(receipt)
+                if not receipt.accepted:
+                    reason = receipt.reason
+                    outcome.groups_refused[reason] = outcome.groups_refused.get(reason, 0) + 1
+                    if reason == "invalid":
+                        log.warning("learner refused group %s: %s", receipt.group_id, receipt.detail)
+                if again:
+                    background.add(asyncio.ensure_future(send_again_later(
+                        ledger.unsettled[receipt.group_id])))
+                await flow.consume(settled)
+            elif kind == "step":
+                result = event.step
+                metrics = result.metrics
+                await flow.consume(ledger.on_step(result))
+                now = time.monotonic()
+                record = StepRecord(
+                    step=result.step,
+                    policy_version=result.policy_version,
+                    reward_mean=metrics.get("reward_mean", math.nan),
+                    policy_lag_mean=metrics.get("policy_lag_mean", 0.0),
+                    groups=result.groups,
+                    seconds=now - started,
+                )
+                status.step, status.policy_version = record.step, record.policy_version
+                status.reward_mean, status.policy_lag_mean = record.reward_mean, record.policy_lag_mean
+                status.last_step_at = now
+                if status.first_step_s is None:
+                    status.first_step_s = now - started
+                outcome.steps.append(record)
+                on_step(record, outcome)
+                if reason := budget_spent(config.budget, outcome.steps):
+                    outcome.stopped_by = outcome.stopped_by or reason
+                    stop.set()
+            elif kind == "step_failure":
+                failure = event.step_failure
+                outcome.step_failures += 1
+                status.step_failures += 1
+                log.warning(
+                    "learner step failed (%s); %d of our groups went back, %d given up",
+                    failure.error.message,
+                    len(failure.returned_group_ids),
+                    len(failure.abandoned_group_ids),
+                )
+                await flow.consume(ledger.on_step_failure(failure))
+            else:
+                log.warning("learner reported: %s", event.error.message)
+            status.groups_in_learner = len(ledger.accepted)
+            status.since_step = ledger.since_step
+
+        async def learner_stream(channel: grpc.aio.Channel) -> None:
+            """TrainStep, opened again while the learner restarts (bounded)."""
+            stub = learner_grpc.LearnerServiceStub(channel)
+            backoff = 0.5
+            while True:
+                call = stub.TrainStep(requests())
+                try:
+                    async for event in call:
+                        if status.learner_down_since is not None:
+                            log.warning("learner reachable again; unsettled groups were sent again")
+                        status.learner_down_since, backoff = None, 0.5
+                        await handle(event)
+                    error_text = "the learner ended the stream"
+                except grpc.RpcError as error:
+                    if error.code() not in RECONNECT_CODES:
+                        raise
+                    error_text = f"{error.code().name}: {error.details()}"
+                finally:
+                    call.cancel()
+                now = time.monotonic()
+                if status.learner_down_since is None:
+                    status.learner_down_since = now
+                    outcome.learner_reconnects += 1
+                    log.warning("learner stream broke (%s); reconnecting", error_text)
+                elif now - status.learner_down_since > rollout.learner_reconnect_s:
+                    raise Unavailable(
+                        f"the learner at {learner_target} stayed unreachable for "
+                        f"{rollout.learner_reconnect_s:.0f} s ({error_text}); see learner.log"
                     )
-                    outcome.steps.append(record)
-                    on_step(record, outcome)
-                    if reason := budget_spent(config.budget, outcome.steps):
-                        outcome.stopped_by = outcome.stopped_by or reason
-                        stop.set()
-                else:
-                    log.warning("learner reported: %s", event.error.message)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+        async def ticker() -> None:
+            assert display is not None
+            while True:
+                status.groups_generating = flow.in_flight
+                display.tick(status)
+                await asyncio.sleep(1.0)
 
         async def deadline(seconds: float) -> None:
             await asyncio.sleep(seconds)
             outcome.stopped_by = outcome.stopped_by or "max_seconds"
             stop.set()
 
+        background: set[asyncio.Future[None]] = set()
         channel = make_channel(learner_target)
         with (
             (run_dir / "rollouts.jsonl").open("a", encoding="utf-8") as rollouts_file,
             (run_dir / "rollouts.failures.jsonl").open("w", encoding="utf-8") as failures_file,
         ):
-            call = learner_grpc.LearnerServiceStub(channel).TrainStep(requests())
             workers = [
                 asyncio.create_task(produce(rollouts_file, failures_file), name="rollouts"),
-                asyncio.create_task(consume(call), name="learner stream"),
+                asyncio.create_task(learner_stream(channel), name="learner stream"),
             ]
+            if display is not None:
+                workers.append(asyncio.create_task(ticker(), name="display"))
             if config.budget.max_seconds is not None:
                 workers.append(
                     asyncio.create_task(deadline(config.budget.max_seconds), name="deadline")
@@ -497,12 +596,18 @@ async def run_rollouts_into_learner(
                         raise from_rpc_error(error) if isinstance(error, grpc.RpcError) else error  # type: ignore[misc]
             finally:
                 outcome.stopped_by = outcome.stopped_by or "interrupted"
-                call.cancel()
-                for task in [*workers, stopper]:
+                for task in [*workers, stopper, *background]:
                     task.cancel()
-                await asyncio.gather(*workers, stopper, return_exceptions=True)
+                await asyncio.gather(*workers, stopper, *background, return_exceptions=True)
                 outcome.seconds = time.monotonic() - started
                 outcome.generation_idle_s = flow.total_idle_s()
+                outcome.groups_settled = dict(ledger.counts)
+                outcome.groups_pending = len(ledger.unsettled)
+                outcome.groups_resent = ledger.resent
+                outcome.group_fates = {
+                    g: fates or ["pending"] for g, fates in ledger.fates.items()
+                }
+                outcome.first_step_s = status.first_step_s
                 await channel.close()
     return outcome
 
@@ -519,105 +624,7 @@ async def final_checkpoint(
             raise from_rpc_error(error) from error
 
 
-# ---------------------------------------------------------------------- processes
-
-
-def write_component_config(config: TrainConfig, run_dir: Path, policy_target: str) -> Path:
-    """The resolved config every child reads its own section of."""
-    learner = config.learner.model_copy(
-        update={
-            "policy_targets": [policy_target],
-            "run_dir": run_dir,
-            "max_steps": config.budget.max_steps,
-        }
-    )
-    resolved = config.model_copy(update={"learner": learner})
-    path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
-    return path
-
-
-def _threads_env(threads: int) -> dict[str, str] | None:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
-
-
-def start_servers(config: TrainConfig, run_dir: Path) -> dict[str, ServerProcess]:
-    """Env and policy servers (side by side), then the learner once the policy's port is known."""
-    processes: dict[str, ServerProcess] = {}
-    timeout_s = config.processes.start_timeout_s
-    base_path = run_dir / "config.yaml"
-    base_path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {
-                "env": pool.submit(
-                    start_server,
-                    ["serve", "env", "--config", str(base_path), "--port", "0"],
-                    timeout_s=timeout_s,
-                    log_file=run_dir / "env.log",
-                ),
-                "policy": pool.submit(
-                    start_server,
-                    ["serve", "policy", "--config", str(base_path), "--port", "0"],
-                    timeout_s=timeout_s,
-                    log_file=run_dir / "policy.log",
-                    env=_threads_env(config.processes.policy_threads),
-                ),
-            }
-            failures = []
-            for name, future in futures.items():
-                try:
-                    processes[name] = future.result()
-                except Exception as error:  # noqa: BLE001 - every failure is reported together below
-                    failures.append(f"{name}: {getattr(error, 'headline', error)}")
-            if failures:
-                raise RuntimeError("could not start the servers:\n" + "\n".join(failures))
-        path = write_component_config(config, run_dir, processes["policy"].target)
-        processes["learner"] = start_server(
-            ["serve", "learner", "--config", str(path), "--port", "0"],
-            timeout_s=timeout_s,
-            log_file=run_dir / "learner.log",
-            env=_threads_env(config.processes.learner_threads),
-        )
-    except BaseException:
-        stop_servers(processes, config.processes.stop_timeout_s)
-        raise
-    return processes
-
-
-def stop_servers(processes: dict[str, ServerProcess], timeout_s: float) -> None:
-    """The learner first (it saves a checkpoint on SIGTERM), then the servers it talks to."""
-    for name in ("learner", "policy", "env"):
-        if name in processes:
-            code = processes[name].stop(grace_s=timeout_s)
-            if code not in (0, None):
-                log.warning(
-                    "%s server exited with %s; see its log in the run directory", name, code
-                )
-
-
 # ---------------------------------------------------------------------- the command
-
-
-class _Progress:
-    """A live line: step, reward, policy lag, generation throughput."""
-
-    def __init__(self, total: int | None, enabled: bool) -> None:
-        self.bar = tqdm(
-            total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train"
-        )
-
-    def update(self, record: StepRecord, tokens_per_s: float) -> None:
-        self.bar.update(record.step - self.bar.n)
-        self.bar.set_postfix(
-            reward=f"{record.reward_mean:.3f}",
-            lag=f"{record.policy_lag_mean:.2f}",
-            version=record.policy_version,
-            tok_s=f"{tokens_per_s:.0f}",
-        )
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def train(config: TrainConfig) -> TrainOutcome:
@@ -632,7 +639,7 @@ def train(config: TrainConfig) -> TrainOutcome:
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")
     processes = start_servers(config, run_dir)
     outcome = TrainOutcome(run_dir=str(run_dir), stopped_by="aborted")
-    progress = _Progress(config.budget.max_steps, config.progress)
+    progress = Progress(config.budget.max_steps, config.progress, config.display.stall_after_s)
     try:
         outcome = asyncio.run(_train_async(config, processes, run_dir, progress))
     finally:
@@ -643,7 +650,7 @@ def train(config: TrainConfig) -> TrainOutcome:
 
 
 async def _train_async(
-    config: TrainConfig, processes: dict[str, ServerProcess], run_dir: Path, progress: _Progress
+    config: TrainConfig, processes: dict[str, ServerProcess], run_dir: Path, progress: Progress
 ) -> TrainOutcome:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -656,10 +663,6 @@ async def _train_async(
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, interrupted)
-    started = time.monotonic()
-
-    def on_step(record: StepRecord, outcome: TrainOutcome) -> None:
-        progress.update(record, outcome.completion_tokens / max(time.monotonic() - started, 1e-9))
 
     try:
         outcome = await run_rollouts_into_learner(
@@ -669,7 +672,7 @@ async def _train_async(
             processes["learner"].target,
             run_dir,
             stop,
-            on_step,
+            display=progress,
         )
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -706,11 +709,18 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
     first = f"{steps[0].reward_mean:.3f}" if steps else "-"
     last = f"{steps[-1].reward_mean:.3f}" if steps else "-"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(outcome.groups_refused.items())) or "none"
+    first_step = f"{outcome.first_step_s:.0f} s" if outcome.first_step_s is not None else "-"
+    fates = outcome.groups_settled
+    settled = (
+        f"{fates.get('consumed', 0)} / {fates.get('dropped_stale', 0)} / {outcome.groups_pending}"
+    )
     rows = [
         ("optimizer steps", str(steps[-1].step if steps else 0)),
         ("reward first -> last step", f"{first} -> {last}"),
         ("time", f"{outcome.seconds / 60:.1f} min"),
         ("groups generated / refused", f"{outcome.groups_generated} / {refused}"),
+        ("first optimizer step after", first_step),
+        ("groups consumed / dropped stale / pending", settled),
         ("generation tokens/s", f"{outcome.tokens_per_s:.0f}"),
         ("generation idle", f"{outcome.generation_idle_s:.1f} s"),
         ("stopped by", outcome.stopped_by),

@@ -283,7 +283,7 @@ class Sandbox:
             "PATH": f"{Path(sandbox_python()).parent}:/usr/local/bin:/usr/bin:/bin",
             "HOME": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8",
             "TMPDIR": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "IPYTHONDIR": "/tmp/ipython",
-            "JUPYTER_RUNTIME_DIR": "/tmp/jupyter", "PYTHONNOUSERSITE": "1", "MPLBACKEND": "Agg",
+            "JUPYTER_RUNTIME_DIR": "/tmp/jupyter", "PYTHONNOUSERSITE": "1",
             "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         }
 

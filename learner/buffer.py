@@ -4,6 +4,8 @@ Staleness of a group = current_version - (oldest policy version among its traine
 A group more than `max_staleness` versions behind is dropped when taken (K = 0: only groups
 sampled entirely by the current policy train, i.e. synchronous on-policy GRPO).
 A full buffer makes `add` wait (backpressure on the producers) up to its timeout.
+The ids of groups dropped as stale wait in `dropped_stale_ids` until the learner names them in a
+step result (`drain_dropped`); a failed step's groups go back to the front (`put_back`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RolloutBuffer:
         self.counters = BufferCounters()
         self._groups: deque[RolloutGroup] = deque()
         self._changed = asyncio.Condition()
+        self.dropped_stale_ids: list[str] = []
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -88,6 +91,7 @@ class RolloutBuffer:
                 group = self._groups.popleft()
                 if current_version - group.oldest_version > self.max_staleness:
                     self.counters.dropped_stale += 1
+                    self.dropped_stale_ids.append(group.group_id)
                 else:
                     taken.append(group)
             return len(taken) == n_groups
@@ -100,6 +104,20 @@ class RolloutBuffer:
                 raise
         self._record_lag(taken, current_version)
         return taken
+
+    def put_back(self, groups: list[RolloutGroup]) -> None:
+        """Return groups taken for a step that failed, ahead of every newer group. They held
+        slots before, so capacity is not checked."""
+        self._groups.extendleft(reversed(groups))
+
+    def ids(self) -> set[str]:
+        """The ids of the groups waiting now."""
+        return {g.group_id for g in self._groups}
+
+    def drain_dropped(self) -> list[str]:
+        """The ids dropped as stale since the last call."""
+        dropped, self.dropped_stale_ids = self.dropped_stale_ids, []
+        return dropped
 
     def _record_lag(self, groups: list[RolloutGroup], current_version: int) -> None:
         lags = [

@@ -26,6 +26,23 @@ class MetricsConfig(BaseModel):
     plot_every: int = Field(10, ge=1, description="Redraw the PNG plot every this many steps")
 
 
+class FaultInjection(BaseModel):
+    """Test hooks that make the learner fail on purpose, to exercise its recovery paths.
+
+    Empty in any real run; the tests set them through the config like any other key.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_step_attempts: list[int] = Field(
+        default_factory=list,
+        description=(
+            "Optimizer step attempts (counted from 1 in this process) that fail with an injected "
+            "error before training; their groups go back to the buffer like any failed step's"
+        ),
+    )
+
+
 class LearnerServerConfig(BaseModel):
     """Everything a learner process needs; `sciproto serve learner --set key=value` edits it."""
 
@@ -71,6 +88,22 @@ class LearnerServerConfig(BaseModel):
         description="dtype of the pushed weights (the trainer keeps fp32 masters): auto asks each "
         "policy server (Describe) which dtype it serves; they must agree",
     )
+    reconcile_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Ask every policy server its version this often (and at once when a group arrives "
+            "stale) and re-push the current weights to any server behind the last push"
+        ),
+    )
+    max_step_attempts: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Optimizer steps a group may fail in a row before it is given up (named as abandoned)"
+        ),
+    )
+    faults: FaultInjection = Field(default_factory=FaultInjection)
     push_transport: Literal["grpc", "nccl", "gloo"] = Field(
         "grpc",
         description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync); "
@@ -109,5 +142,14 @@ class LearnerServerConfig(BaseModel):
             raise ValueError(
                 f"buffer_capacity ({self.buffer_capacity}) must hold at least one batch "
                 f"(batch_groups = {self.batch_groups})"
+            )
+        if self.push_every > self.grpo.max_staleness + 1:
+            raise ValueError(
+                f"push_every ({self.push_every}) > max_staleness + 1 "
+                f"({self.grpo.max_staleness + 1}): the policy servers serve the last pushed "
+                "version until the next push, and their groups turn stale once the learner is "
+                "more than max_staleness versions past it; after max_staleness + 1 steps without "
+                "a push every new group would be refused and no step could run. Set push_every "
+                "<= max_staleness + 1"
             )
         return self

@@ -5,12 +5,26 @@
          |                                                            train_step (worker thread)
          +--- GroupReceipt per group                                  push weights (every push_every)
          +--- OptimizerStepResult per step, to every open stream  <---+ metrics.jsonl, checkpoints
+         +--- StepFailure when a step fails (its groups go back)      reconcile policy versions (timer)
 
 Receipts: accepted, or refused with a stable reason: "duplicate" (group_id seen before, in this
 process or trained before the checkpoint we resumed from, so retries never count twice),
 "invalid" (the group cannot be read; the receipt's message says why), "stale" (already more than
 max_staleness versions behind on arrival), "no_signal" (fewer than two scored samples or all
 rewards equal: GRPO would learn nothing), "busy" (no buffer slot freed within add_timeout_s).
+
+Accounting: every accepted group belongs to the stream that last sent it. A step result goes to
+every open stream, but names to each only its own groups: the ids the step consumed and the ids
+dropped as stale when it took its batch. A failed step puts its groups back at the front of the
+buffer and says so (StepFailure.returned_group_ids); after max_step_attempts failures in a row a
+group is given up (abandoned_group_ids). A group sent again while it still waits (a client that
+reconnected) is accepted again and moves to the new stream; a duplicate of a settled group is
+refused with what became of it in the receipt's detail.
+
+No stalls: every reconcile_interval_s, and at once when a group arrives stale, the learner asks
+each policy server its version and re-pushes the current weights to any server behind the last
+push (a restarted server serves version 0; a push may have failed). push_every > max_staleness + 1
+is refused by the config.
 
 A stream the client half-closes ends once no further step can come from what is buffered (no
 step running and fewer than batch_groups groups waiting, or max_steps reached); until then it
@@ -21,6 +35,7 @@ shutdown) hold the trainer state plus `learner_state.json`: the group ids traine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -166,6 +181,17 @@ def latest_learner_checkpoint(run_dir: Path) -> Path | None:
     return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
+class InjectedFault(RuntimeError):
+    """A failure the config asked for (learner.faults), to exercise recovery."""
+
+
+class _Stream:
+    """One open TrainStep call: its outgoing events."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[learner_pb2.TrainStepResponse] = asyncio.Queue()
+
+
 class LearnerServicer:
     """The LearnerService servicer; `start()` resumes and starts the optimizer loop."""
 
@@ -187,8 +213,19 @@ class LearnerServicer:
         self.seen_group_ids: set[str] = set()
         self.trained_group_ids: set[str] = set()
         self.groups_duplicate = 0
-        # The outgoing events of every open TrainStep call.
-        self._streams: set[asyncio.Queue[learner_pb2.TrainStepResponse]] = set()
+        # Every open TrainStep call, and which one each accepted, not yet settled group came by.
+        self._streams: set[_Stream] = set()
+        self._owner: dict[str, _Stream] = {}
+        # What became of each settled group: "consumed", "stale", "no_signal", "abandoned".
+        self._fate: dict[str, str] = {}
+        self._failed_attempts: dict[str, int] = {}  # group id -> failed steps in a row
+        self._step_attempts = 0
+        self._step_settled = False
+        # Version every policy server should serve: that of the last push attempted.
+        self._published_version: int | None = None
+        self._reconcile_now = asyncio.Event()
+        self._reconcile_task: asyncio.Task[None] | None = None
+        self._since_step = {"refused_stale": 0, "skipped_equal": 0, "refused_invalid": 0}
         self._step_lock = asyncio.Lock()  # one of: a train step + push, or a checkpoint save
         self._step_running = False
         self._progress = asyncio.Condition()  # notified after every step and stream change
@@ -196,7 +233,6 @@ class LearnerServicer:
         self._started = time.monotonic()
         self._last_step_end = time.monotonic()
         self._tokens_since_step = 0
-        self._stale_at_last_step = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,6 +247,8 @@ class LearnerServicer:
                     self.trainer.policy_version, serving
                 )
                 await self._push()
+            self._published_version = self.trainer.policy_version
+            self._reconcile_task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._loop_task = asyncio.create_task(self._optimizer_loop(), name="optimizer loop")
 
     async def _resume(self) -> bool:
@@ -221,12 +259,12 @@ class LearnerServicer:
         state = LearnerState.model_validate_json((path / LEARNER_STATE_FILE).read_text())
         self.trained_group_ids = set(state.trained_group_ids)
         self.seen_group_ids = set(state.trained_group_ids)
+        self._fate = dict.fromkeys(state.trained_group_ids, "consumed")
         counters = self.buffer.counters
         counters.groups_received = state.groups_received
         counters.dropped_stale = state.groups_dropped_stale
         counters.dropped_all_equal = state.groups_skipped_equal
         self.groups_duplicate = state.groups_duplicate
-        self._stale_at_last_step = counters.dropped_stale
         log.info(
             "resumed from %s: step %d, policy version %d, %d groups trained before",
             path,
@@ -246,9 +284,10 @@ class LearnerServicer:
             )
             return
         try:
-            if self._loop_task is not None:
-                self._loop_task.cancel()
-                await asyncio.gather(self._loop_task, return_exceptions=True)
+            for task in (self._loop_task, self._reconcile_task):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if self.trainer.step > 0:
                 path = await self._save_checkpoint_locked(self.config.run_dir)
                 log.info("final checkpoint %s", path)
@@ -281,9 +320,14 @@ class LearnerServicer:
                 async with self._step_lock:
                     self._step_running = True
                     await self._step(groups, wait_s)
-            except Exception as error:  # reported to every stream; the loop goes on
+            except Exception as error:  # the loop goes on
                 log.exception("optimizer step failed")
-                self._broadcast(learner_pb2.TrainStepResponse(error=to_status(_as_sciproto(error))))
+                if self._step_settled:  # trained and reported: only what followed failed
+                    self._broadcast(
+                        learner_pb2.TrainStepResponse(error=to_status(_as_sciproto(error)))
+                    )
+                else:  # nothing trained: the groups go back
+                    self._step_failed(groups, _as_sciproto(error))
             finally:
                 self._step_running = False
                 async with self._progress:
@@ -294,22 +338,41 @@ class LearnerServicer:
         config = self.config
         counters = self.buffer.counters
         lag_mean, lag_max = counters.last_policy_lag_mean, counters.last_policy_lag_max
+        self._step_settled = False
+        self._step_attempts += 1
+        if self._step_attempts in config.faults.fail_step_attempts:
+            raise InjectedFault(
+                f"injected failure of optimizer step attempt {self._step_attempts} "
+                "(learner.faults.fail_step_attempts)"
+            )
         train_started = time.monotonic()
         metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
         train_s = time.monotonic() - train_started
-        self.trained_group_ids.update(g.group_id for g in groups)
+        consumed = [g.group_id for g in groups]
+        dropped = self.buffer.drain_dropped()
+        self._step_settled = True
+        self.trained_group_ids.update(consumed)
+        for group_id in consumed:
+            self._fate[group_id] = "consumed"
+            self._failed_attempts.pop(group_id, None)
+        for group_id in dropped:
+            self._fate[group_id] = "stale"
         pushed, sync_s = False, 0.0
         if (
             metrics.trained
             and self.pusher is not None
             and self.trainer.step % config.push_every == 0
         ):
+            self._published_version = self.trainer.policy_version
             try:
                 sync_s = await self._push()
                 pushed = True
             except SciprotoError as error:
                 log.warning(
-                    "weight push of version %d failed: %s", self.trainer.policy_version, error
+                    "weight push of version %d failed (retried within %.0f s): %s",
+                    self.trainer.policy_version,
+                    config.reconcile_interval_s,
+                    error,
                 )
                 self._broadcast(learner_pb2.TrainStepResponse(error=to_status(error)))
         now = time.monotonic()
@@ -318,7 +381,14 @@ class LearnerServicer:
             **metrics.model_dump(exclude={"trained"}),
             "policy_lag_mean": lag_mean,
             "policy_lag_max": lag_max,
-            "groups_dropped_stale": counters.dropped_stale - self._stale_at_last_step,
+            # Groups settled since the last step, by fate; together with the receipts they account
+            # for every group once: consumed by this step, dropped stale when it took its batch,
+            # refused stale / all-equal / invalid on arrival.
+            "groups_consumed": len(consumed),
+            "groups_dropped_stale": len(dropped),
+            "groups_refused_stale": self._since_step["refused_stale"],
+            "groups_skipped_equal": self._since_step["skipped_equal"],
+            "groups_refused_invalid": self._since_step["refused_invalid"],
             "tokens_per_s_generation": self._tokens_since_step / interval,
             "tokens_per_s_training": metrics.tokens / max(train_s, 1e-9),
             "wait_rollouts_s": wait_s,
@@ -327,7 +397,7 @@ class LearnerServicer:
             "time_s": now - self._started,
         }
         self._last_step_end, self._tokens_since_step = now, 0
-        self._stale_at_last_step = counters.dropped_stale
+        self._since_step = dict.fromkeys(self._since_step, 0)
         if metrics.trained:
             self.metrics.log(record)
         numbers = {
@@ -335,17 +405,22 @@ class LearnerServicer:
             for k, v in record.items()
             if isinstance(v, int | float) and not isinstance(v, bool)
         }
-        self._broadcast(
-            learner_pb2.TrainStepResponse(
-                step=learner_pb2.OptimizerStepResult(
-                    step=self.trainer.step,
-                    policy_version=self.trainer.policy_version,
-                    metrics=numbers,
-                    groups=len(groups),
-                    weights_pushed=pushed,
+        for stream, mine in self._by_owner(consumed + dropped).items():
+            stream.events.put_nowait(
+                learner_pb2.TrainStepResponse(
+                    step=learner_pb2.OptimizerStepResult(
+                        step=self.trainer.step,
+                        policy_version=self.trainer.policy_version,
+                        metrics=numbers,
+                        groups=len(groups),
+                        weights_pushed=pushed,
+                        consumed_group_ids=[g for g in consumed if g in mine],
+                        dropped_stale_group_ids=[g for g in dropped if g in mine],
+                    )
                 )
             )
-        )
+        for group_id in consumed + dropped:
+            self._owner.pop(group_id, None)
         log.info(
             "step %d version %d reward %.3f lag %.2f train %.2fs sync %.2fs",
             self.trainer.step,
@@ -361,6 +436,88 @@ class LearnerServicer:
             and self.trainer.step % config.checkpoint_every == 0
         ):
             await self._save_checkpoint_locked(config.run_dir)
+
+    def _by_owner(self, group_ids: list[str]) -> dict[_Stream, set[str]]:
+        """Every open stream with the ids among `group_ids` it owns (maybe none)."""
+        mine: dict[_Stream, set[str]] = {stream: set() for stream in self._streams}
+        for group_id in group_ids:
+            owner = self._owner.get(group_id)
+            if owner in mine:
+                mine[owner].add(group_id)
+        return mine
+
+    def _step_failed(self, groups: list[RolloutGroup], error: SciprotoError) -> None:
+        """Put a failed step's groups back (those that failed fewer than max_step_attempts
+        steps in a row) and tell each stream which of its groups went back or were given up."""
+        returned, abandoned = [], []
+        for group in groups:
+            attempts = self._failed_attempts.get(group.group_id, 0) + 1
+            self._failed_attempts[group.group_id] = attempts
+            (abandoned if attempts >= self.config.max_step_attempts else returned).append(group)
+        self.buffer.put_back(returned)
+        abandoned_ids = [g.group_id for g in abandoned]
+        for group_id in abandoned_ids:
+            self._fate[group_id] = "abandoned"
+            self._failed_attempts.pop(group_id, None)
+        returned_ids = {g.group_id for g in returned}
+        for stream, mine in self._by_owner([g.group_id for g in groups]).items():
+            stream.events.put_nowait(
+                learner_pb2.TrainStepResponse(
+                    step_failure=learner_pb2.StepFailure(
+                        error=to_status(error),
+                        returned_group_ids=sorted(mine & returned_ids),
+                        abandoned_group_ids=sorted(mine & set(abandoned_ids)),
+                    )
+                )
+            )
+        for group_id in abandoned_ids:
+            self._owner.pop(group_id, None)
+
+    # ------------------------------------------------------------------ policy versions
+
+    async def _reconcile_loop(self) -> None:
+        """Bring every policy server that is behind up to the last pushed version, on a timer
+        and whenever a group arrives stale."""
+        interval = self.config.reconcile_interval_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reconcile_now.wait(), interval)
+            self._reconcile_now.clear()
+            try:
+                await self._reconcile()
+            except Exception:  # a failed round is retried on the next tick
+                log.exception("reconciling the policy servers' versions failed")
+
+    async def _reconcile(self) -> None:
+        pusher = self.pusher
+        if pusher is None or self._published_version is None:
+            return
+        if not hasattr(pusher, "versions_each"):
+            return  # this transport pushes to every server at once only
+        versions = await pusher.versions_each(timeout_s=min(10.0, self.config.push_timeout_s))
+        behind = [
+            i for i, v in enumerate(versions) if v is not None and v < self._published_version
+        ]
+        if not behind:
+            return
+        async with self._step_lock:
+            version = self.trainer.policy_version
+            targets = [self.config.policy_targets[i] for i in behind]
+            log.warning(
+                "policy servers %s serve versions %s, behind version %d: pushing version %d",
+                targets,
+                [versions[i] for i in behind],
+                self._published_version,
+                version,
+            )
+            weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
+            try:
+                result = await pusher.push_to(behind, weights, version)
+            except SciprotoError as error:
+                log.warning("re-push of version %d to %s failed (retried): %s", version, targets, error)
+                return
+            self._published_version = version
+            log.info("re-pushed version %d to %s in %.2f s", version, targets, result.seconds)
 
     async def _push(self) -> float:
         assert self.pusher is not None
@@ -395,7 +552,13 @@ class LearnerServicer:
             server=server_info(
                 self.config.server,
                 "sciproto-learner",
-                ["train_step.dedupe", f"weights.{self.config.push_transport}", "checkpoint.resume"],
+                [
+                    "train_step.dedupe",
+                    "train_step.accounting",
+                    f"weights.{self.config.push_transport}",
+                    "weights.reconcile",
+                    "checkpoint.resume",
+                ],
                 service=pb.LEARNER_SERVICE,
                 auth=self.config.auth,
             ),
@@ -445,10 +608,11 @@ class LearnerServicer:
         request_iterator: AsyncIterator[learner_pb2.TrainStepRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[learner_pb2.TrainStepResponse]:
-        events: asyncio.Queue[learner_pb2.TrainStepResponse] = asyncio.Queue()
-        self._streams.add(events)
+        stream = _Stream()
+        events = stream.events
+        self._streams.add(stream)
         reader = asyncio.create_task(
-            self._read_groups(request_iterator, events), name="TrainStep reader"
+            self._read_groups(request_iterator, stream), name="TrainStep reader"
         )
         finished = asyncio.create_task(self._stream_finished(reader), name="TrainStep end")
         try:
@@ -465,7 +629,7 @@ class LearnerServicer:
                     raise reader.exception()  # type: ignore[misc]
                 return
         finally:
-            self._streams.discard(events)
+            self._streams.discard(stream)
             for task in (reader, finished):
                 task.cancel()
             await asyncio.gather(reader, finished, return_exceptions=True)
@@ -486,28 +650,35 @@ class LearnerServicer:
     async def _read_groups(
         self,
         requests: AsyncIterator[learner_pb2.TrainStepRequest],
-        events: asyncio.Queue[learner_pb2.TrainStepResponse],
+        stream: _Stream,
     ) -> None:
         async for request in requests:
-            receipt = await self._receive(request.group)
-            events.put_nowait(learner_pb2.TrainStepResponse(receipt=receipt))
+            receipt = await self._receive(request.group, stream)
+            stream.events.put_nowait(learner_pb2.TrainStepResponse(receipt=receipt))
 
-    async def _receive(self, message: learner_pb2.RolloutGroup) -> learner_pb2.GroupReceipt:
+    async def _receive(
+        self, message: learner_pb2.RolloutGroup, stream: _Stream
+    ) -> learner_pb2.GroupReceipt:
         group_id = message.group_id
 
-        def refused(reason: str) -> learner_pb2.GroupReceipt:
-            return learner_pb2.GroupReceipt(group_id=group_id, accepted=False, reason=reason)
+        def refused(reason: str, detail: str = "") -> learner_pb2.GroupReceipt:
+            return learner_pb2.GroupReceipt(
+                group_id=group_id, accepted=False, reason=reason, detail=detail
+            )
 
         if group_id in self.seen_group_ids:
+            fate = self._fate.get(group_id)
+            if fate is None:  # still buffered or in a step: the resending stream owns it now
+                self._owner[group_id] = stream
+                return learner_pb2.GroupReceipt(group_id=group_id, accepted=True)
             self.groups_duplicate += 1
-            return refused("duplicate")
+            return refused("duplicate", fate)
         try:
             group = group_from_pb(message, self.vocab_size)
         except InvalidGroup as error:
             log.info("group %r refused: %s", group_id, error)
-            return learner_pb2.GroupReceipt(
-                group_id=group_id, accepted=False, reason="invalid", detail=str(error)
-            )
+            self._since_step["refused_invalid"] += 1
+            return refused("invalid", str(error))
         self.seen_group_ids.add(group_id)
         oldest = group.oldest_version
         if (
@@ -516,13 +687,21 @@ class LearnerServicer:
         ):
             self.buffer.counters.groups_received += 1
             self.buffer.counters.dropped_stale += 1
+            self._since_step["refused_stale"] += 1
+            self._fate[group_id] = "stale"
+            self._reconcile_now.set()  # its policy server may be behind
             return refused("stale")
+        self._owner[group_id] = stream
         try:
             accepted = await self.buffer.add(group, timeout=self.config.add_timeout_s)
         except TimeoutError:
             self.seen_group_ids.discard(group_id)  # never trained: a retry may send it again
+            self._owner.pop(group_id, None)
             return refused("busy")
         if not accepted:
+            self._owner.pop(group_id, None)
+            self._since_step["skipped_equal"] += 1
+            self._fate[group_id] = "no_signal"
             return refused("no_signal")
         self._tokens_since_step += sum(s.num_trained_tokens for s in group.samples)
         async with self._progress:
@@ -530,8 +709,8 @@ class LearnerServicer:
         return learner_pb2.GroupReceipt(group_id=group_id, accepted=True)
 
     def _broadcast(self, event: learner_pb2.TrainStepResponse) -> None:
-        for events in self._streams:
-            events.put_nowait(event)
+        for stream in self._streams:
+            stream.events.put_nowait(event)
 
 
 def _as_sciproto(error: Exception) -> SciprotoError:

@@ -27,6 +27,7 @@ from clients.policy_client import PolicyClient, push_weights_to_all
 from learner.server_config import LearnerServerConfig
 from sciproto.channel import ServerAccess
 from sciproto.config import ConfigError
+from sciproto.errors import SciprotoError
 
 
 class PushResult(BaseModel):
@@ -52,6 +53,21 @@ class WeightPusher(Protocol):
     async def aclose(self) -> None: ...
 
 
+class ReconcilingPusher(WeightPusher, Protocol):
+    """A pusher that can also reach servers one by one, so the learner can bring a server that
+    fell behind (restarted, or missed a push) up to date without touching the others."""
+
+    async def versions_each(self, timeout_s: float) -> list[int | None]:
+        """Each target's serving version, None where it cannot be reached now."""
+        ...
+
+    async def push_to(
+        self, indices: Sequence[int], state_dict: Mapping[str, torch.Tensor], version: int
+    ) -> PushResult:
+        """Push to the targets at `indices` only."""
+        ...
+
+
 class GrpcWeightPusher:
     """UpdateWeights chunk streams to every target, concurrently."""
 
@@ -68,10 +84,25 @@ class GrpcWeightPusher:
         return [d.policy_version for d in described]
 
     async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushResult:
+        return await self.push_to(range(len(self._clients)), state_dict, version)
+
+    async def versions_each(self, timeout_s: float) -> list[int | None]:
+        async def one(client: PolicyClient) -> int | None:
+            try:
+                return (await client.describe(timeout_s=timeout_s)).policy_version
+            except SciprotoError:
+                return None
+
+        return list(await asyncio.gather(*(one(c) for c in self._clients)))
+
+    async def push_to(
+        self, indices: Sequence[int], state_dict: Mapping[str, torch.Tensor], version: int
+    ) -> PushResult:
         started = time.monotonic()
-        await push_weights_to_all(self._clients, state_dict, version, timeout_s=self.timeout_s)
+        clients = [self._clients[i] for i in indices]
+        await push_weights_to_all(clients, state_dict, version, timeout_s=self.timeout_s)
         return PushResult(
-            policy_version=version, seconds=time.monotonic() - started, servers=len(self._clients)
+            policy_version=version, seconds=time.monotonic() - started, servers=len(clients)
         )
 
     async def aclose(self) -> None:
@@ -109,6 +140,7 @@ def version_after_resume(own_version: int, serving: Sequence[int]) -> int:
 __all__ = [
     "GrpcWeightPusher",
     "PushResult",
+    "ReconcilingPusher",
     "WeightPusher",
     "build_weight_pusher",
     "version_after_resume",

@@ -226,6 +226,41 @@ def collect(
     )
 
 
+@app.command("eval")
+def eval_(
+    env: Annotated[list[str], typer.Option("--env", help="Env server HOST:PORT (repeatable: replicas)")],
+    tasks: Annotated[str, typer.Option(help="ENV:SPLIT, e.g. gsm8k:test")],
+    policy: Annotated[list[str] | None, typer.Option("--policy", help="Policy server HOST:PORT (repeatable)")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(help="Checkpoint folder or run directory, served here")] = None,
+    model: Annotated[str | None, typer.Option(help="Base model of --checkpoint (default: from its run)")] = None,
+    output: Annotated[Path, typer.Option(help="JSON report; rollouts go beside it")] = Path("eval-report.json"),
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy/--no-greedy", help="Run the greedy pass (1 sample, T = 0)")] = True,
+    samples: Annotated[int, typer.Option(help="Samples per task of the sampled pass (0: none)")] = 0,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
+    write_curriculum: Annotated[Path | None, typer.Option(help="Write the sampled pass's mixed tasks here")] = None,
+    min_pass_rate: Annotated[float, typer.Option(help="Curriculum keeps tasks with pass rate above this")] = 0.0,
+    max_pass_rate: Annotated[float, typer.Option(help="... and below this")] = 1.0,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+    debug: Annotated[bool, typer.Option(help="Show the traceback of an error")] = False,
+) -> None:
+    """Pass rates of a policy (server or checkpoint) on a split; reward analysis and curriculum."""
+    _setup_logging(verbose)
+    module = importlib.import_module("clients.eval")
+    try:
+        module.main(env=env, policy=list(policy or []), checkpoint=checkpoint, tasks=tasks, output=output,
+                    limit=limit, greedy=greedy, samples=samples, concurrency=concurrency,
+                    write_curriculum=write_curriculum, min_pass_rate=min_pass_rate, max_pass_rate=max_pass_rate,
+                    model=model, config=config, overrides=list(set_ or []))
+    except Exception as error:
+        if debug:
+            raise
+        typer.echo(f"sciproto eval: {type(error).__name__}: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def train(
     config: Annotated[str, typer.Option("--config", "-c", help="YAML file, or a name in configs/")] = "demo",

@@ -31,8 +31,15 @@ from env_servers.envs.source import (
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 
 # Our split name -> (file in DATA_DIR, Aviary's GSM8kDatasetSplit). Aviary's "train" keeps 80% of
-# the training file; "train_full" keeps all of it, which is what a small shipped set wants.
-SPLITS = {"train": ("train.jsonl", "train_full"), "test": ("test.jsonl", "test")}
+# the training file; "train_full" keeps all of it, which is what a small shipped set wants. The
+# short splits (one-step problems, data/gsm8k/generate_short.py) are not files Aviary's dataset
+# reads (it knows only train and test): their CalculatorEnvs are built from the rows directly.
+SPLITS: dict[str, tuple[str, str | None]] = {
+    "train": ("train.jsonl", "train_full"),
+    "test": ("test.jsonl", "test"),
+    "short_train": ("short_train.jsonl", None),
+    "short_test": ("short_test.jsonl", None),
+}
 
 
 class GSM8kOptions(BaseModel):
@@ -162,21 +169,23 @@ class GSM8kSource(EnvironmentSource):
         self._problems_of: dict[str, list[tuple[str, str, float]]] = {}
         self._config = CalculatorEnvConfig()
         self._loading = asyncio.Lock()
-        for file_name, _ in SPLITS.values():
-            if not (options.data_dir / file_name).is_file():
+        for split in ("train", "test"):
+            if not (options.data_dir / SPLITS[split][0]).is_file():
                 raise FileNotFoundError(
-                    f"gsm8k data file {options.data_dir / file_name} is missing; run"
+                    f"gsm8k data file {options.data_dir / SPLITS[split][0]} is missing; run"
                     " env_servers/data/gsm8k/generate.py or point data_dir at a GSM8K folder"
                 )
 
     @cached_property
     def _rows(self) -> dict[str, list[dict[str, str]]]:
+        """Rows of every split whose file is there (a GSM8K folder may lack the short splits)."""
         return {
             split: [
                 json.loads(line)
                 for line in (self.options.data_dir / file_name).read_text().splitlines()
             ]
             for split, (file_name, _) in SPLITS.items()
+            if (self.options.data_dir / file_name).is_file()
         }
 
     @property
@@ -189,8 +198,10 @@ class GSM8kSource(EnvironmentSource):
         episode cost more than the rest of a reset)."""
         async with self._loading:
             if split not in self._problems_of:
+                aviary_split = SPLITS[split][1]
+                assert aviary_split is not None, f"split {split} is built from its rows"
                 dataset = await asyncio.to_thread(
-                    GSM8kDataset, SPLITS[split][1], hf_source=str(self.options.data_dir)
+                    GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
                 )
                 self._config = dataset.config
                 rows = dataset.src_df[["problem_id", "question", "answer_num"]]
@@ -201,6 +212,10 @@ class GSM8kSource(EnvironmentSource):
         return self._problems_of[split]
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
+        if SPLITS[split][1] is None:
+            row = self._rows[split][index]
+            return BoundedCalculatorEnv(f"{split}_{index}", row["question"],
+                                        parse_answer_number(row["answer"]), self._config)
         problem_id, problem, answer = (await self._problems(split))[index]
         return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
 

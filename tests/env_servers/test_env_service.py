@@ -49,7 +49,7 @@ async def test_describe_reports_versions_envs_splits_and_limits(env_server: Serv
     assert "session" in described.server.capabilities
     assert described.server.limits.max_receive_message_bytes > 0
     splits = {env.name: {s.name: s.size for s in env.splits} for env in described.environments}
-    assert splits["gsm8k"] == {"train": 250, "test": 60}
+    assert splits["gsm8k"] == {"train": 250, "test": 60, "short_train": 400, "short_test": 100}
     assert set(splits) == {"gsm8k", "notebook"}
     assert described.limits.max_live_episodes > 0 and described.limits.idle_ttl_seconds > 0
     assert tools["gsm8k"] == ["calculator", "submit_answer"]  # known once a gsm8k episode was reset

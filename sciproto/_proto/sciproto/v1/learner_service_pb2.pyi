@@ -314,9 +314,13 @@ class GroupReceipt(_message.Message):
     """Why not, when refused (stable string: "duplicate", "stale", "invalid",
     "no_signal" (fewer than two scored samples, or all rewards equal), "busy"
     (no buffer slot freed in time; the group may be sent again)).
+    A group sent again while it still waits in the buffer (a client that
+    reconnected) is accepted again, and step results name it to this stream.
     """
     detail: _builtins.str
-    """What to fix, for humans, when refused as "invalid"."""
+    """What to fix, for humans, when refused as "invalid"; for "duplicate", what
+    became of the first copy ("consumed", "stale", "no_signal", "abandoned").
+    """
     def __init__(
         self,
         *,
@@ -364,6 +368,8 @@ class OptimizerStepResult(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     WEIGHTS_PUSHED_FIELD_NUMBER: _builtins.int
+    CONSUMED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    DROPPED_STALE_GROUP_IDS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Optimizer steps taken, this one included."""
     policy_version: _builtins.int
@@ -376,6 +382,20 @@ class OptimizerStepResult(_message.Message):
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Metrics of the step, by name (see the README for the list and units)."""
 
+    @_builtins.property
+    def consumed_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The groups this step trained on, among those the receiving stream sent
+        (each stream sees only its own groups' ids; `groups` counts them all).
+        Once named here a group is consumed: the client may forget it.
+        """
+
+    @_builtins.property
+    def dropped_stale_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream dropped when this step took its batch,
+        for being more than max_staleness versions behind by then. A group
+        refused as "stale" on arrival is named by its receipt only, never here.
+        """
+
     def __init__(
         self,
         *,
@@ -384,14 +404,57 @@ class OptimizerStepResult(_message.Message):
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         groups: _builtins.int = ...,
         weights_pushed: _builtins.bool = ...,
+        consumed_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        dropped_stale_group_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "metrics", b"metrics", "policy_version", b"policy_version", "step", b"step", "weights_pushed", b"weights_pushed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed_group_ids", b"consumed_group_ids", "dropped_stale_group_ids", b"dropped_stale_group_ids", "groups", b"groups", "metrics", b"metrics", "policy_version", b"policy_version", "step", b"step", "weights_pushed", b"weights_pushed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OptimizerStepResult: _TypeAlias = OptimizerStepResult  # noqa: Y015
+
+@_typing.final
+class StepFailure(_message.Message):
+    """An optimizer step that failed; the stream goes on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    RETURNED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    ABANDONED_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """What failed."""
+
+    @_builtins.property
+    def returned_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream the failed step had taken: back in the
+        buffer, ahead of newer groups; a later step result names them.
+        """
+
+    @_builtins.property
+    def abandoned_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Groups of the receiving stream given up after failing max_step_attempts
+        steps in a row; the learner will not train them (a resend is refused as
+        "duplicate").
+        """
+
+    def __init__(
+        self,
+        *,
+        error: _status_pb2.Status | None = ...,
+        returned_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+        abandoned_group_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned_group_ids", b"abandoned_group_ids", "error", b"error", "returned_group_ids", b"returned_group_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepFailure: _TypeAlias = StepFailure  # noqa: Y015
 
 @_typing.final
 class TrainStepResponse(_message.Message):
@@ -402,6 +465,7 @@ class TrainStepResponse(_message.Message):
     RECEIPT_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    STEP_FAILURE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def receipt(self) -> Global___GroupReceipt:
         """A group was received."""
@@ -414,18 +478,23 @@ class TrainStepResponse(_message.Message):
     def error(self) -> _status_pb2.Status:
         """Something failed that does not end the stream."""
 
+    @_builtins.property
+    def step_failure(self) -> Global___StepFailure:
+        """An optimizer step failed; says which groups went back to the buffer."""
+
     def __init__(
         self,
         *,
         receipt: Global___GroupReceipt | None = ...,
         step: Global___OptimizerStepResult | None = ...,
         error: _status_pb2.Status | None = ...,
+        step_failure: Global___StepFailure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step", "step_failure", b"step_failure"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "receipt", b"receipt", "step", b"step", "step_failure", b"step_failure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["receipt", "step", "error"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["receipt", "step", "error", "step_failure"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

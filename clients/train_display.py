@@ -1,0 +1,128 @@
+"""What `sciproto train` shows while it runs.
+
+A live line (tqdm, when `progress` is on): optimizer steps, reward, policy lag, and from the
+first second the rollouts and groups finished, generation tokens/s, and the time the first
+optimizer step took. When no step has run for `display.stall_after_s` seconds, a line on stderr
+says so and why (printed whether or not the live line is on, again when the cause changes or
+each further `stall_after_s`):
+
+    no optimizer step for 62 s: waiting for 5 more groups (11 of a batch of 16 in the learner;
+    since the last step 40 groups all-equal (no signal), 0 refused stale); 12 groups generating
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+
+@dataclass
+class RunStatus:
+    """What the rollout client knows about the run; the display reads it once a second."""
+
+    batch_groups: int
+    started: float = field(default_factory=time.monotonic)
+    rollouts_finished: int = 0
+    groups_finished: int = 0
+    groups_generating: int = 0
+    completion_tokens: int = 0
+    step: int = 0
+    policy_version: int = 0
+    reward_mean: float = float("nan")
+    policy_lag_mean: float = 0.0
+    first_step_s: float | None = None  # seconds from the start to the first step result
+    last_step_at: float | None = None
+    groups_in_learner: int = 0  # accepted by the learner and not yet consumed or dropped
+    since_step: Counter[str] = field(default_factory=Counter)  # fates since the last step
+    learner_down_since: float | None = None
+    step_failures: int = 0
+
+    def tokens_per_s(self, now: float) -> float:
+        return self.completion_tokens / max(now - self.started, 1e-9)
+
+
+def stall_cause(status: RunStatus, now: float) -> str:
+    """Why no optimizer step is running, as far as the rollout client can tell."""
+    if status.learner_down_since is not None:
+        return (
+            f"the learner is unreachable since {now - status.learner_down_since:.0f} s; "
+            "reconnecting, and its groups will be sent again"
+        )
+    since = status.since_step
+    refusals = (
+        f"since the last step {since['skipped_equal']} groups all-equal (no signal), "
+        f"{since['refused_stale'] + since['dropped_stale']} stale"
+    )
+    if since["refused_invalid"]:
+        refusals += f", {since['refused_invalid']} invalid (see the learner log)"
+    if status.groups_in_learner >= status.batch_groups:
+        return (
+            f"the learner holds {status.groups_in_learner} groups, a full batch: a step is "
+            f"training ({refusals})"
+        )
+    missing = status.batch_groups - status.groups_in_learner
+    cause = (
+        f"waiting for {missing} more groups ({status.groups_in_learner} of a batch of "
+        f"{status.batch_groups} in the learner; {refusals})"
+    )
+    if since["skipped_equal"] and since["skipped_equal"] >= since.total() - since["consumed"]:
+        cause += "; every group since the last step was all-equal: the policy answers alike"
+    if status.groups_generating:
+        cause += f"; {status.groups_generating} groups generating"
+    if not status.rollouts_finished:
+        cause += "; no rollout has finished yet"
+    return cause
+
+
+class Progress:
+    """The live line and the stall notices."""
+
+    def __init__(self, total: int | None, enabled: bool, stall_after_s: float = 60.0) -> None:
+        self.bar = tqdm(
+            total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train"
+        )
+        self.stall_after_s = stall_after_s
+        self._last_notice: tuple[list[str], float] | None = None
+
+    def tick(self, status: RunStatus, now: float | None = None) -> str | None:
+        """Refresh the line; returns the stall notice printed, if any."""
+        now = time.monotonic() if now is None else now
+        self.bar.update(status.step - self.bar.n)
+        postfix = {
+            "rollouts": status.rollouts_finished,
+            "tok_s": f"{status.tokens_per_s(now):.0f}",
+        }
+        if status.step:
+            postfix |= {
+                "reward": f"{status.reward_mean:.3f}",
+                "lag": f"{status.policy_lag_mean:.2f}",
+                "version": status.policy_version,
+                "first_step": f"{status.first_step_s:.0f}s",
+            }
+        else:
+            postfix["waiting_first_step"] = f"{now - status.started:.0f}s"
+        self.bar.set_postfix(postfix, refresh=True)
+        quiet_since = status.last_step_at if status.last_step_at is not None else status.started
+        if now - quiet_since < self.stall_after_s:
+            self._last_notice = None
+            return None
+        cause = stall_cause(status, now)
+        kind = cause.split(" ", 3)[:3]  # "waiting for N", "the learner is", ...: same kind, same words
+        if self._last_notice is not None:
+            last_kind, printed_at = self._last_notice
+            if last_kind == kind and now - printed_at < self.stall_after_s:
+                return None
+        notice = f"no optimizer step for {now - quiet_since:.0f} s: {cause}"
+        tqdm.write(notice, file=sys.stderr)
+        self._last_notice = (kind, now)
+        return notice
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+__all__ = ["Progress", "RunStatus", "stall_cause"]

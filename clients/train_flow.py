@@ -1,0 +1,162 @@
+"""Flow control of `sciproto train`: every group the rollout client generated, until the learner
+settles it, and how many groups may be started before the learner has settled the earlier ones.
+
+A group is *settled* once the learner says what became of it, and then exactly once:
+
+| fate              | how the learner says it                                        |
+|-------------------|----------------------------------------------------------------|
+| `consumed`        | a step result lists it in `consumed_group_ids`                 |
+| `dropped_stale`   | a step result lists it in `dropped_stale_group_ids`            |
+| `refused_stale`   | its receipt: reason "stale" (too old on arrival)               |
+| `skipped_equal`   | its receipt: reason "no_signal" (all rewards equal)            |
+| `refused_invalid` | its receipt: reason "invalid"                                  |
+| `abandoned`       | a StepFailure lists it in `abandoned_group_ids`                |
+
+Until then the ledger keeps the group's message: a "busy" receipt sends it again, and so does a
+new TrainStep stream after the old one broke (a restarted learner lost its buffer; the learner's
+duplicate check makes resending safe: a copy still buffered is accepted again, a copy of a
+settled group is refused as "duplicate" with its fate in the receipt's detail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from sciproto.pb import learner_pb2
+
+FATES = (
+    "consumed",
+    "dropped_stale",
+    "refused_stale",
+    "skipped_equal",
+    "refused_invalid",
+    "abandoned",
+)
+_RECEIPT_FATES = {"stale": "refused_stale", "no_signal": "skipped_equal", "invalid": "refused_invalid"}
+# What a "duplicate" receipt's detail says became of the first copy.
+_DUPLICATE_FATES = {
+    "consumed": "consumed",
+    "stale": "dropped_stale",
+    "no_signal": "skipped_equal",
+    "abandoned": "abandoned",
+}
+
+
+class GroupLedger:
+    """The groups generated and not yet settled, and the fate of every settled one."""
+
+    def __init__(self) -> None:
+        self.unsettled: dict[str, learner_pb2.TrainStepRequest] = {}  # in generation order
+        self.sent: set[str] = set()  # unsettled groups written to some stream
+        self.accepted: set[str] = set()  # unsettled groups the learner holds (as far as we know)
+        # Every fate recorded per group: one entry each, or the accounting is wrong.
+        self.fates: dict[str, list[str]] = {}
+        self.counts: Counter[str] = Counter()
+        self.since_step: Counter[str] = Counter()  # fates since the last step result
+        self.resent = 0
+
+    def add(self, request: learner_pb2.TrainStepRequest) -> None:
+        self.unsettled[request.group.group_id] = request
+        self.fates.setdefault(request.group.group_id, [])
+
+    def settle(self, group_id: str, fate: str) -> int:
+        """Record `fate` for `group_id`; 1 if that settled an unsettled group, else 0."""
+        if group_id not in self.fates:
+            return 0  # not ours (an older run's, or another client's)
+        self.fates[group_id].append(fate)
+        if self.unsettled.pop(group_id, None) is None:
+            return 0  # settled twice: kept in `fates` for whoever checks
+        self.sent.discard(group_id)
+        self.accepted.discard(group_id)
+        self.counts[fate] += 1
+        self.since_step[fate] += 1
+        return 1
+
+    def on_receipt(self, receipt: learner_pb2.GroupReceipt) -> tuple[int, bool]:
+        """(groups settled, whether to send the group again)."""
+        group_id = receipt.group_id
+        if receipt.accepted:
+            if group_id in self.unsettled:
+                self.accepted.add(group_id)
+            return 0, False
+        if receipt.reason == "busy":
+            return 0, group_id in self.unsettled
+        if receipt.reason == "duplicate":
+            if group_id not in self.unsettled:
+                return 0, False  # a resent copy of a group settled meanwhile
+            return self.settle(group_id, _DUPLICATE_FATES.get(receipt.detail, "consumed")), False
+        return self.settle(group_id, _RECEIPT_FATES.get(receipt.reason, "refused_invalid")), False
+
+    def on_step(self, result: learner_pb2.OptimizerStepResult) -> int:
+        self.since_step.clear()
+        settled = sum(self.settle(g, "consumed") for g in result.consumed_group_ids)
+        return settled + sum(self.settle(g, "dropped_stale") for g in result.dropped_stale_group_ids)
+
+    def on_step_failure(self, failure: learner_pb2.StepFailure) -> int:
+        return sum(self.settle(g, "abandoned") for g in failure.abandoned_group_ids)
+
+    def to_resend(self) -> list[learner_pb2.TrainStepRequest]:
+        """Every unsettled group, for a new stream; counts those sent before as resent."""
+        self.resent += len(self.sent)
+        self.accepted.clear()
+        self.sent = set(self.unsettled)
+        return list(self.unsettled.values())
+
+    @property
+    def settled(self) -> int:
+        return sum(self.counts.values())
+
+
+class Flow:
+    """Counts that gate the rollout client: groups started vs settled by the learner, and time
+    spent with nothing generating."""
+
+    def __init__(self, max_ahead: int) -> None:
+        self.max_ahead = max_ahead
+        self.started = 0
+        self.finished = 0
+        self.consumed = 0  # settled, whatever the fate
+        self.changed = asyncio.Condition()
+        self.idle_s = 0.0
+        self._idle_since: float | None = time.monotonic()
+
+    def _mark(self) -> None:
+        now = time.monotonic()
+        in_flight = self.started - self.finished
+        if in_flight == 0 and self._idle_since is None:
+            self._idle_since = now
+        elif in_flight > 0 and self._idle_since is not None:
+            self.idle_s += now - self._idle_since
+            self._idle_since = None
+
+    @property
+    def in_flight(self) -> int:
+        """Groups started and not finished generating."""
+        return self.started - self.finished
+
+    async def admit(self) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.started - self.consumed < self.max_ahead)
+            self.started += 1
+            self._mark()
+
+    def group_finished(self) -> None:
+        self.finished += 1
+        self._mark()
+
+    async def consume(self, count: int) -> None:
+        if not count:
+            return
+        async with self.changed:
+            self.consumed += count
+            self.changed.notify_all()
+
+    def total_idle_s(self) -> float:
+        return self.idle_s + (
+            time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
+        )
+
+
+__all__ = ["FATES", "Flow", "GroupLedger"]
