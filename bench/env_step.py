@@ -1,209 +1,398 @@
-"""Step latency and throughput of the GSM8K calculator environment, four ways, in one run:
+"""GSM8K episodes (reset, calculator step, submit step, close) through every way of running them,
+side by side in one run, each server in its own process:
 
-  in_process   Aviary's `env.step` called directly (the floor: no transport at all)
-  unary        our EnvironmentService.Step, one call per step
-  session      our EnvironmentService.Session, every episode multiplexed on one stream
-  aviary_http  Aviary's own TaskDatasetServer (FastAPI over HTTP/1.1), persistent httpx client
+  in_process     Aviary's CalculatorEnv stepped in this process: the floor with no transport,
+                 on one core
+  aviary_http    Aviary's own TaskDatasetServer (FastAPI/uvicorn, HTTP/1.1 + JSON), driven by its
+                 fastest Python client: httpx with the aiohttp transport (httpx-aiohttp)
+  session        sciproto `Session`: raw grpc.aio stubs, every episode multiplexed on one stream
+  unary          sciproto unary Reset/Step/Close: raw grpc.aio stubs, one call per operation
+  env_client     sciproto `EnvClient` through a `ReplicaPool`, what `sciproto collect` uses
+  transport_echo a bare grpc.aio Session that answers every step with an empty response (the
+                 transport's floor: no environment, no checks)
 
-and, for scale, the bare transport: a Session stream to a server that answers every step at once
-with no environment (`transport_echo`, one episode only).
+NeMo Gym's Aviary resources server is not run: every nemo-gym release on PyPI needs
+Python >= 3.12 (this project supports 3.11).
 
-For each, at 1, 64 and 256 concurrent episodes: median and p99 step latency and steps/s. Every
-step is a calculator call, which never ends the episode. Servers run as child processes on
-loopback; the clients run here. Prints JSON with the ratios
+For each, at 1, 64 and 256 concurrent episodes (50 GSM8K test problems, episode i on problem
+i % 50): step p50/p99 (the two env steps of each episode), steps/s (env steps; an episode has
+two, plus its reset and close), episodes/s, and server CPU per step: the server processes' own
+CPU time (user + system, psutil) over the measured window divided by the steps in it. With
+`--workers 1,2` the env_client row also runs against `sciproto serve env --workers 2`, its
+episodes spread by the replica pool, for the scaling over cores.
 
-  session p50 / in_process p50          (at 1 episode; goal <= 1.5)
-  our steps/s / aviary_http steps/s     (at 256 episodes; goal >= 3)
+Prints JSON (to stdout, and `--output`) with the ratios of the goals:
 
-    python bench/env_step.py [--seconds 2] [--concurrency 1,64,256]
+  session steps/s / aviary_http steps/s           at 64 and 256   (goal >= 3)
+  session steps/s / in_process steps/s            at 64 and 256   (goal >= 1)
+  session step p50 / in_process step p50          at 1            (goal <= 2), and the echo's
+  unary, env_client steps/s / session steps/s     at 64 and 256   (goal >= 0.85)
+  2 workers / 1 worker env_client steps/s         at 256          (goal >= 1.5)
+
+    python bench/env_step.py [--seconds 3] [--concurrency 1,64,256] [--workers 1,2] [--repeat 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports aviary
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-EXPRESSION = "12 * 34 + 5"
-TASKS = 60  # size of the gsm8k test split; episode i runs task i % TASKS
+import psutil
 
-Step = Callable[[], Awaitable[Any]]
+EXPRESSION = "12 * 34 + 5"
+ANSWER = "413"
+TASKS = 50  # episode i runs problem i % TASKS of the gsm8k test split
+SPLIT = "test"
 
 
 def progress(message: str) -> None:
     print(f"[env_step] {message}", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------- measuring
+
+
 @dataclass
-class Figures:
-    p50_us: float
-    p99_us: float
-    steps_per_s: float
-    steps: int
+class Window:
+    """What the episode loops recorded while one point was measured."""
 
-    @classmethod
-    def of(cls, latencies_s: list[float], elapsed_s: float) -> Figures:
-        ordered = sorted(latencies_s)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        return cls(round(statistics.median(ordered) * 1e6, 1), round(p99 * 1e6, 1),
-                   round(len(ordered) / elapsed_s, 1), len(ordered))
+    step_latencies_s: list[float] = field(default_factory=list)
+    episodes: int = 0
 
 
-async def measure(steps: list[Step], seconds: float, warmup_steps: int = 3) -> Figures:
-    """Run every episode's step in a loop, all at once, for `seconds`; latency of each step."""
-    for _ in range(warmup_steps):
-        await asyncio.gather(*(step() for step in steps))
-    latencies: list[float] = []
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU time of `processes` and all their children (worker processes)."""
+    total = 0.0
+    for process in processes:
+        for each in [process, *process.children(recursive=True)]:
+            try:
+                times = each.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+    return total
+
+
+async def measure(system: System, concurrency: int, seconds: float) -> dict[str, Any]:
+    """`concurrency` loops of whole episodes for `seconds`, after one warm-up episode each."""
+    await asyncio.gather(*(system.episode(i, Window()) for i in range(concurrency)))
+    window = Window()
     stop_at = time.perf_counter() + seconds
 
-    async def loop(step: Step) -> None:
-        while (start := time.perf_counter()) < stop_at:
-            await step()
-            latencies.append(time.perf_counter() - start)
+    async def loop(worker: int) -> None:
+        for index in itertools.count(worker, concurrency):
+            if time.perf_counter() >= stop_at:
+                return
+            await system.episode(index, window)
 
+    cpu_before = cpu_seconds(system.servers)
+    own_before = time.process_time()
     started = time.perf_counter()
-    await asyncio.gather(*(loop(step) for step in steps))
-    return Figures.of(latencies, time.perf_counter() - started)
+    await asyncio.gather(*(loop(worker) for worker in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    cpu = cpu_seconds(system.servers) - cpu_before
+    own = time.process_time() - own_before
+    ordered = sorted(window.step_latencies_s)
+    steps = len(ordered)
+    figures = {
+        "step_p50_ms": round(statistics.median(ordered) * 1e3, 3),
+        "step_p99_ms": round(ordered[min(steps - 1, int(0.99 * steps))] * 1e3, 3),
+        "steps_per_s": round(steps / elapsed, 1),
+        "episodes_per_s": round(window.episodes / elapsed, 1),
+        "steps": steps,
+        "client_cpu_ms_per_step": round(own / steps * 1e3, 3),
+    }
+    if system.servers:
+        figures["server_cpu_ms_per_step"] = round(cpu / steps * 1e3, 3)
+        figures["server_cpu_cores"] = round(cpu / elapsed, 2)
+    return figures
 
 
-# ---------------------------------------------------------------- the four ways
+class System:
+    """One way of running episodes. `servers`: the processes whose CPU counts as the server's."""
+
+    name: str
+    servers: list[psutil.Process] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def episode(self, index: int, window: Window) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        pass
 
 
-class InProcess:
+async def timed(window: Window, call: Awaitable[Any]) -> Any:
+    start = time.perf_counter()
+    result = await call
+    window.step_latencies_s.append(time.perf_counter() - start)
+    return result
+
+
+# ---------------------------------------------------------------- the systems
+
+
+class InProcess(System):
+    """Aviary's GSM8kDataset and CalculatorEnv, as TaskDatasetServer hosts them, in this process."""
+
     name = "in_process"
 
-    def __init__(self) -> None:
+    async def start(self) -> None:
         from aviary.core import ToolCall, ToolRequestMessage
+        from aviary.envs.gsm8k import GSM8kDataset
 
-        from env_servers.catalog import load_source
+        from env_servers.envs.gsm8k import DATA_DIR
 
-        self.source = load_source("gsm8k")
-        self.action = ToolRequestMessage(tool_calls=[ToolCall.from_name("calculator", expr=EXPRESSION)])
-        self.envs: list[Any] = []
+        self.dataset = GSM8kDataset(SPLIT, hf_source=str(DATA_DIR))
+        self.calculate = lambda: ToolRequestMessage(tool_calls=[ToolCall.from_name("calculator", expr=EXPRESSION)])
+        self.submit = lambda: ToolRequestMessage(tool_calls=[ToolCall.from_name("submit_answer", answer=ANSWER)])
 
-    async def open(self, count: int) -> list[Step]:
-        self.envs = [await self.source.make("test", i % TASKS) for i in range(count)]
-        await asyncio.gather(*(env.reset() for env in self.envs))
-        return [lambda env=env: env.step(self.action) for env in self.envs]
-
-    async def close(self) -> None:
-        await asyncio.gather(*(env.close() for env in self.envs))
-
-
-class OurUnary:
-    name = "unary"
-
-    def __init__(self, target: str) -> None:
-        from clients.env_client import EnvClient, tool_calls_action
-
-        self.client = EnvClient(target)
-        self.action = tool_calls_action(("calculator", {"expr": EXPRESSION}))
-        self.episodes: list[str] = []
-
-    async def open(self, count: int) -> list[Step]:
-        resets = await asyncio.gather(*(self.client.reset("gsm8k", split="test", index=i % TASKS)
-                                        for i in range(count)))
-        self.episodes = [reset.episode_id for reset in resets]
-        return [lambda e=episode: self.client.step(e, self.action) for episode in self.episodes]
-
-    async def close(self) -> None:
-        await asyncio.gather(*(self.client.close(episode) for episode in self.episodes))
+    async def episode(self, index: int, window: Window) -> None:
+        env = self.dataset.get_new_env_by_idx(index % TASKS)
+        await env.reset()
+        await timed(window, env.step(self.calculate()))
+        _, _, done, _ = await timed(window, env.step(self.submit()))
+        assert done, "submit_answer ends a gsm8k episode"
+        await env.close()
+        window.episodes += 1
 
 
-class OurSession:
-    name = "session"
+class AviaryHttp(System):
+    """TaskDatasetServer over HTTP/1.1, one keep-alive connection per concurrent episode."""
 
-    def __init__(self, target: str) -> None:
-        from clients.env_client import EnvClient, tool_calls_action
-
-        self.client = EnvClient(target)
-        self.action = tool_calls_action(("calculator", {"expr": EXPRESSION}))
-        self.stream: Any = None
-
-    async def open(self, count: int) -> list[Step]:
-        self.stream = self.client.session()
-        session = await self.stream.__aenter__()
-        resets = await asyncio.gather(*(session.reset("gsm8k", split="test", index=i % TASKS)
-                                        for i in range(count)))
-        return [lambda e=reset.episode_id: session.step(e, self.action) for reset in resets]
-
-    async def close(self) -> None:
-        await self.stream.__aexit__(None, None, None)  # the stream's end closes its episodes
-
-
-class AviaryHttp:
     name = "aviary_http"
 
-    def __init__(self, base_url: str) -> None:
-        import httpx
-        from aviary.core import ToolCall, ToolRequestMessage
+    def __init__(self, base_url: str, server: psutil.Process) -> None:
+        self.base_url, self.servers = base_url, [server]
 
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=60.0,
-                                      limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
-        action = ToolRequestMessage(tool_calls=[ToolCall.from_name("calculator", expr=EXPRESSION)])
-        self.action = action.model_dump(mode="json")
-        self.episodes: list[str] = []
+    async def start(self) -> None:
+        import httpx
+        from httpx_aiohttp import HttpxAiohttpClient
+
+        self.http = HttpxAiohttpClient(base_url=self.base_url, timeout=60.0,
+                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+        calculate = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_calc", "type": "function", "function": {"name": "calculator", "arguments": {"expr": EXPRESSION}}}]}
+        submit = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_submit", "type": "function", "function": {"name": "submit_answer", "arguments": {"answer": ANSWER}}}]}
+        self.calculate, self.submit = calculate, submit
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         response = await self.http.post(path, json=body)
         response.raise_for_status()
         return response.json()
 
-    async def _start(self, index: int) -> str:
+    async def episode(self, index: int, window: Window) -> None:
         env_id = (await self._post("/start", {"task_idx": index % TASKS}))["env_id"]
         await self._post("/reset", {"env_id": env_id})
-        return env_id
+        await timed(window, self._post("/step", {"env_id": env_id, "action": self.calculate}))
+        _, _, done, _ = await timed(window, self._post("/step", {"env_id": env_id, "action": self.submit}))
+        assert done, "submit_answer ends a gsm8k episode"
+        await self._post("/close", {"env_id": env_id})
+        window.episodes += 1
 
-    async def open(self, count: int) -> list[Step]:
-        self.episodes = list(await asyncio.gather(*(self._start(i) for i in range(count))))
-        return [lambda e=env_id: self._post("/step", {"env_id": e, "action": self.action})
-                for env_id in self.episodes]
+    async def stop(self) -> None:
+        await self.http.aclose()
+
+
+class _Requests:
+    """The protobuf requests of one episode, built the way a client would (fresh ids)."""
+
+    def __init__(self) -> None:
+        from clients.env_client import tool_calls_action
+        from sciproto.pb import env_pb2
+
+        self.pb = env_pb2
+        self.calculate = tool_calls_action(("calculator", {"expr": EXPRESSION}))
+        self.submit = tool_calls_action(("submit_answer", {"answer": ANSWER}))
+        self._prefix = uuid.uuid4().hex[:12]  # request ids are unique across clients of one server
+        self._ids = itertools.count()
+
+    def id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def reset(self, index: int) -> Any:
+        return self.pb.ResetRequest(request_id=self.id(), env="gsm8k",
+                                    task_ref={"split": SPLIT, "index": index % TASKS})
+
+    def step(self, episode_id: str, action: Any) -> Any:
+        return self.pb.StepRequest(request_id=self.id(), episode_id=episode_id, action=action)
+
+    def close(self, episode_id: str) -> Any:
+        return self.pb.CloseRequest(request_id=self.id(), episode_id=episode_id)
+
+
+class Unary(System):
+    """Raw grpc.aio stubs: Reset, Step, Step, Close as unary calls on one channel."""
+
+    name = "unary"
+
+    def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
+        self.targets, self.servers = targets, servers
+
+    async def start(self) -> None:
+        import grpc
+
+        from sciproto.pb import env_grpc
+
+        self.requests = _Requests()
+        self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
+        self.stubs = [env_grpc.EnvironmentServiceStub(channel) for channel in self.channels]
+
+    async def episode(self, index: int, window: Window) -> None:
+        stub, requests = self.stubs[index % len(self.stubs)], self.requests
+        episode_id = (await stub.Reset(requests.reset(index))).episode_id
+        await timed(window, stub.Step(requests.step(episode_id, requests.calculate)))
+        step = await timed(window, stub.Step(requests.step(episode_id, requests.submit)))
+        assert step.terminated, "submit_answer ends a gsm8k episode"
+        await stub.Close(requests.close(episode_id))
+        window.episodes += 1
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+class _Stream:
+    """One raw Session stream: requests written one at a time, answers matched by request_id."""
+
+    def __init__(self, stub: Any) -> None:
+        self.call = stub.Session()
+        self.waiting: dict[str, asyncio.Future[Any]] = {}
+        self.writing = asyncio.Lock()  # grpc.aio allows one pending write per stream
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for answer in self.call:
+            if answer.WhichOneof("result") == "heartbeat":
+                continue
+            future = self.waiting.pop(answer.request_id)
+            if answer.WhichOneof("result") == "error":
+                future.set_exception(RuntimeError(f"{answer.error.code}: {answer.error.message}"))
+            else:
+                future.set_result(answer)
+
+    async def run(self, request: Any, request_id: str) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        async with self.writing:
+            await self.call.write(request)
+        return await future
 
     async def close(self) -> None:
-        await asyncio.gather(*(self._post("/close", {"env_id": e}) for e in self.episodes))
+        await self.call.done_writing()
+        await asyncio.wait_for(self.reader, 30)
 
 
-class TransportEcho:
-    """One Session stream to a server that answers each step with an empty StepResponse."""
+class Session(System):
+    """Raw grpc.aio stubs, every episode on one Session stream (one stream per server)."""
+
+    name = "session"
+
+    def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
+        self.targets, self.servers = targets, servers
+
+    async def start(self) -> None:
+        import grpc
+
+        from sciproto.pb import env_grpc
+
+        self.requests = _Requests()
+        self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
+        self.streams = [_Stream(env_grpc.EnvironmentServiceStub(channel)) for channel in self.channels]
+
+    async def episode(self, index: int, window: Window) -> None:
+        stream, requests, pb = self.streams[index % len(self.streams)], self.requests, self.requests.pb
+        reset = requests.reset(index)
+        episode_id = (await stream.run(pb.SessionRequest(reset=reset), reset.request_id)).reset.episode_id
+        for action in (requests.calculate, requests.submit):
+            step = requests.step(episode_id, action)
+            answer = await timed(window, stream.run(pb.SessionRequest(step=step), step.request_id))
+        assert answer.step.terminated, "submit_answer ends a gsm8k episode"
+        close = requests.close(episode_id)
+        await stream.run(pb.SessionRequest(close=close), close.request_id)
+        window.episodes += 1
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(stream.close() for stream in self.streams))
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+class EnvClientPool(System):
+    """`EnvClient` unary calls through a `ReplicaPool` (least-loaded replica per episode, the
+    episode pinned to it), as the agent loop of `sciproto collect` makes them."""
+
+    name = "env_client"
+
+    def __init__(self, targets: list[str], servers: list[psutil.Process], name: str | None = None) -> None:
+        self.targets, self.servers = targets, servers
+        self.name = name or self.name
+
+    async def start(self) -> None:
+        from clients.env_client import EnvClient, tool_calls_action
+        from clients.replicas import ReplicaPool
+        from sciproto.pb import ENV_SERVICE
+
+        self.pool = ReplicaPool(self.targets, EnvClient, ENV_SERVICE)
+        self.calculate = tool_calls_action(("calculator", {"expr": EXPRESSION}))
+        self.submit = tool_calls_action(("submit_answer", {"answer": ANSWER}))
+
+    async def episode(self, index: int, window: Window) -> None:
+        async with self.pool.lease() as replica:
+            env = replica.client
+            reset = await env.reset("gsm8k", split=SPLIT, index=index % TASKS)
+            await timed(window, env.step(reset.episode_id, self.calculate))
+            step = await timed(window, env.step(reset.episode_id, self.submit))
+            assert step.terminated, "submit_answer ends a gsm8k episode"
+            await env.close(reset.episode_id)
+        window.episodes += 1
+
+    async def stop(self) -> None:
+        await self.pool.aclose()
+
+
+class TransportEcho(System):
+    """A Session stream to a server that answers each step at once, with no environment."""
 
     name = "transport_echo"
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, server: psutil.Process) -> None:
+        self.target, self.servers = target, [server]
+
+    async def start(self) -> None:
         import grpc
 
-        from clients.env_client import tool_calls_action
-        from sciproto.pb import env_grpc, env_pb2
+        from sciproto.pb import env_grpc
 
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = env_grpc.EnvironmentServiceStub(self.channel)
-        action = tool_calls_action(("calculator", {"expr": EXPRESSION}))
-        self.request = env_pb2.SessionRequest(step=env_pb2.StepRequest(episode_id="echo", action=action))
-        self.call: Any = None
+        self.requests = _Requests()
+        self.channel = grpc.aio.insecure_channel(self.target)
+        self.stream = _Stream(env_grpc.EnvironmentServiceStub(self.channel))
 
-    async def open(self, count: int) -> list[Step]:
-        assert count == 1, "the echo stream answers one step at a time"
-        self.call = self.stub.Session()
+    async def episode(self, index: int, window: Window) -> None:
+        pb = self.requests.pb
+        for action in (self.requests.calculate, self.requests.submit):
+            step = self.requests.step("echo", action)
+            await timed(window, self.stream.run(pb.SessionRequest(step=step), step.request_id))
+        window.episodes += 1
 
-        async def step() -> Any:
-            await self.call.write(self.request)
-            return await self.call.read()
-
-        return [step]
-
-    async def close(self) -> None:
-        self.call.cancel()
+    async def stop(self) -> None:
+        await self.stream.close()
         await self.channel.close()
 
 
@@ -232,7 +421,6 @@ def serve_transport_echo() -> None:
     asyncio.run(run())
 
 
-
 def serve_aviary_http() -> None:
     """Child process: Aviary's TaskDatasetServer over the same GSM8K test split, on loopback.
     Logging is kept at warnings (Aviary's own start() logs every request at debug level,
@@ -243,7 +431,7 @@ def serve_aviary_http() -> None:
 
     from env_servers.envs.gsm8k import DATA_DIR
 
-    server = TaskDatasetServer(GSM8kDataset("test", hf_source=str(DATA_DIR)), host="127.0.0.1", port=0)
+    server = TaskDatasetServer(GSM8kDataset(SPLIT, hf_source=str(DATA_DIR)), host="127.0.0.1", port=0)
     # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say they are TCP; without it
     # every keep-alive response would wait ~40 ms for a delayed ACK.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -260,71 +448,118 @@ def serve_aviary_http() -> None:
     asyncio.run(run())
 
 
-async def run_all(seconds: float, concurrencies: list[int]) -> dict[str, Any]:
+def worker_targets(server: Any) -> list[str]:
+    """The ports of every worker of `sciproto serve env --workers N` (its SCIPROTO_WORKERS line),
+    or the one port of a single server."""
+    for line in list(server.output):
+        if line.startswith("SCIPROTO_WORKERS "):
+            ports = line.split("ports=")[1].split(",")
+            return [f"127.0.0.1:{port}" for port in ports]
+    return [server.target]
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def run_all(seconds: float, concurrencies: list[int], workers: list[int],
+                  only: set[str] | None = None) -> dict[str, Any]:
     from sciproto.processes import start_command, start_server
 
-    progress("starting our env server and Aviary's TaskDatasetServer")
-    ours = start_server(["serve", "env", "--env", "gsm8k", "--port", "0",
-                         "--set", f"max_live_episodes={4 * max(concurrencies)}"])
+    cap = f"max_live_episodes={4 * max(concurrencies)}"
+    progress("starting our env server, Aviary's TaskDatasetServer and the echo server")
+    ours = start_server(["serve", "env", "--env", "gsm8k", "--port", "0", "--set", cap])
     aviary = start_command([sys.executable, __file__, "--serve-aviary-http"])
     echo = start_command([sys.executable, __file__, "--serve-transport-echo"])
+    scaled = {n: start_server(["serve", "env", "--env", "gsm8k", "--port", "0", "--workers", str(n), "--set", cap])
+              for n in workers if n > 1}
     try:
-        transport = TransportEcho(echo.target)
-        floor = await measure(await transport.open(1), seconds)
-        await transport.close()
-        progress(f"transport echo x1    p50 {floor.p50_us:9.1f} us  p99 {floor.p99_us:9.1f} us")
-        ways = [InProcess(), OurUnary(ours.target), OurSession(ours.target),
-                AviaryHttp(f"http://127.0.0.1:{aviary.port}")]
-        results: dict[str, dict[str, Any]] = {way.name: {} for way in ways}
+        server = [psutil.Process(ours.process.pid)]
+        systems: list[System] = [
+            TransportEcho(echo.target, psutil.Process(echo.process.pid)),
+            InProcess(),
+            AviaryHttp(f"http://127.0.0.1:{aviary.port}", psutil.Process(aviary.process.pid)),
+            Session([ours.target], server),
+            Unary([ours.target], server),
+            EnvClientPool([ours.target], server),
+            *(EnvClientPool(worker_targets(process), [psutil.Process(process.process.pid)],
+                            name=f"env_client_{n}_workers") for n, process in scaled.items()),
+        ]
+        if only:
+            systems = [system for system in systems if system.name in only]
+        progress(f"server pids: ours {ours.process.pid}, aviary {aviary.process.pid}, echo {echo.process.pid}")
+        results: dict[str, dict[str, Any]] = {system.name: {} for system in systems}
+        for system in systems:
+            await system.start()
         for concurrency in concurrencies:
-            for way in ways:
-                steps = await way.open(concurrency)
-                figures = await measure(steps, seconds)
-                await way.close()
-                results[way.name][str(concurrency)] = figures.__dict__
-                progress(f"{way.name:>12} x{concurrency:<4} p50 {figures.p50_us:9.1f} us  p99 "
-                         f"{figures.p99_us:9.1f} us  {figures.steps_per_s:9.1f} steps/s")
-        await ways[1].client.aclose()
-        await ways[2].client.aclose()
-        await ways[3].http.aclose()
+            for system in systems:
+                if system.name.endswith("_workers") and concurrency != max(concurrencies):
+                    continue
+                figures = await measure(system, concurrency, seconds)
+                results[system.name][str(concurrency)] = figures
+                cpu = figures.get("server_cpu_ms_per_step")
+                progress(f"{system.name:>18} x{concurrency:<4} p50 {figures['step_p50_ms']:8.3f} ms  "
+                         f"{figures['steps_per_s']:8.1f} steps/s  server CPU "
+                         f"{f'{cpu:.3f} ms/step' if cpu is not None else '-'}")
+        for system in systems:
+            await system.stop()
     finally:
-        for server in (ours, aviary, echo):
-            server.stop()
-    results[transport.name] = {"1": floor.__dict__}
+        for process in (ours, aviary, echo, *scaled.values()):
+            process.stop()
     return results
 
 
-def report(results: dict[str, Any], seconds: float, concurrencies: list[int]) -> dict[str, Any]:
-    low, high = str(min(concurrencies)), str(max(concurrencies))
-    session_latency = results["session"][low]["p50_us"] / results["in_process"][low]["p50_us"]
-    # The least a Session step can cost: the environment's own step plus the bare round trip.
-    floor = (results["in_process"][low]["p50_us"] + results["transport_echo"]["1"]["p50_us"]) \
-        / results["in_process"][low]["p50_us"]
-    session_throughput = results["session"][high]["steps_per_s"] / results["aviary_http"][high]["steps_per_s"]
-    unary_throughput = results["unary"][high]["steps_per_s"] / results["aviary_http"][high]["steps_per_s"]
-    return {
-        "benchmark": "env_step",
-        "environment": f"gsm8k CalculatorEnv, calculator({EXPRESSION!r}) steps",
-        "seconds_per_point": seconds,
-        "cpus": os.cpu_count(),
-        "results": results,
-        "ratios": {
-            f"session_p50_over_in_process_p50_at_{low}": round(session_latency, 3),
-            f"transport_floor_of_that_ratio_at_{low}": round(floor, 3),
-            f"session_steps_per_s_over_aviary_http_at_{high}": round(session_throughput, 3),
-            f"unary_steps_per_s_over_aviary_http_at_{high}": round(unary_throughput, 3),
-        },
-        "goals_met": {
-            "session_p50_within_1.5x_of_in_process": session_latency <= 1.5,
-            "steps_per_s_at_least_3x_aviary_http": max(session_throughput, unary_throughput) >= 3.0,
-        },
+def ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]) -> dict[str, float]:
+    def rate(system: str, at: int) -> float:
+        return results[system][str(at)]["steps_per_s"]
+
+    low = min(concurrencies)
+    out: dict[str, float] = {
+        f"session_p50_over_in_process_p50_at_{low}":
+            results["session"][str(low)]["step_p50_ms"] / results["in_process"][str(low)]["step_p50_ms"],
+        f"echo_p50_over_in_process_p50_at_{low}":
+            results["transport_echo"][str(low)]["step_p50_ms"] / results["in_process"][str(low)]["step_p50_ms"],
     }
+    for at in concurrencies:
+        if at == low:
+            continue
+        out[f"session_over_aviary_http_at_{at}"] = rate("session", at) / rate("aviary_http", at)
+        out[f"session_over_in_process_at_{at}"] = rate("session", at) / rate("in_process", at)
+        out[f"unary_over_session_at_{at}"] = rate("unary", at) / rate("session", at)
+        out[f"env_client_over_session_at_{at}"] = rate("env_client", at) / rate("session", at)
+        out[f"aviary_http_server_cpu_over_session_at_{at}"] = (
+            results["aviary_http"][str(at)]["server_cpu_ms_per_step"]
+            / results["session"][str(at)]["server_cpu_ms_per_step"])
+    high = max(concurrencies)
+    for n in workers:
+        if n > 1:
+            out[f"env_client_{n}_workers_over_1_at_{high}"] = rate(f"env_client_{n}_workers", high) / rate("env_client", high)
+    return {key: round(value, 3) for key, value in out.items()}
+
+
+def goals(ratio: dict[str, float], concurrencies: list[int], workers: list[int]) -> dict[str, bool]:
+    low, high = min(concurrencies), max(concurrencies)
+    many = [at for at in concurrencies if at != low]
+    met = {
+        "session_at_least_3x_aviary_http": all(ratio[f"session_over_aviary_http_at_{at}"] >= 3 for at in many),
+        "session_at_least_in_process": all(ratio[f"session_over_in_process_at_{at}"] >= 1 for at in many),
+        "session_p50_within_2x_in_process": ratio[f"session_p50_over_in_process_p50_at_{low}"] <= 2,
+        "unary_and_env_client_within_15pct_of_session": all(
+            ratio[f"{way}_over_session_at_{at}"] >= 0.85 for way in ("unary", "env_client") for at in many),
+    }
+    for n in workers:
+        if n > 1:
+            met[f"{n}_workers_at_least_1.5x"] = ratio[f"env_client_{n}_workers_over_1_at_{high}"] >= 1.5
+    return met
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per point")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per point")
     parser.add_argument("--concurrency", default="1,64,256", help="concurrent episodes, comma-separated")
+    parser.add_argument("--workers", default="1", help="worker counts for the scaling row, e.g. 1,2")
+    parser.add_argument("--repeat", type=int, default=1, help="run everything this many times")
+    parser.add_argument("--output", type=Path, help="also write the JSON report here")
+    parser.add_argument("--systems", help="only these rows, comma-separated (no ratios): for profiling")
     parser.add_argument("--serve-aviary-http", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-transport-echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -335,8 +570,33 @@ def main() -> None:
         serve_transport_echo()
         return
     concurrencies = sorted(int(c) for c in args.concurrency.split(","))
-    results = asyncio.run(run_all(args.seconds, concurrencies))
-    print(json.dumps(report(results, args.seconds, concurrencies), indent=2))
+    workers = sorted(int(n) for n in args.workers.split(","))
+    if args.systems:
+        only = set(args.systems.split(","))
+        print(json.dumps(asyncio.run(run_all(args.seconds, concurrencies, workers, only)), indent=2))
+        return
+    runs = []
+    for repeat in range(args.repeat):
+        progress(f"run {repeat + 1} of {args.repeat}")
+        results = asyncio.run(run_all(args.seconds, concurrencies, workers))
+        ratio = ratios(results, concurrencies, workers)
+        runs.append({"results": results, "ratios": ratio, "goals_met": goals(ratio, concurrencies, workers)})
+    report = {
+        "benchmark": "env_step",
+        "episode": f"gsm8k test problem i % {TASKS}: reset, calculator({EXPRESSION!r}), submit_answer, close",
+        "seconds_per_point": args.seconds,
+        "cpus": os.cpu_count(),
+        "not_run": {"nemo_gym": "every nemo-gym release on PyPI needs Python >= 3.12; this runs on "
+                                f"{sys.version_info.major}.{sys.version_info.minor}"},
+        "runs": runs,
+    }
+    if len(runs) > 1:
+        report["ratio_spread"] = {key: [min(r["ratios"][key] for r in runs), max(r["ratios"][key] for r in runs)]
+                                  for key in runs[0]["ratios"]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -108,8 +108,10 @@ def measure(
     args: argparse.Namespace,
 ) -> dict:
     trainer = make_trainer(fp32_model, precision, compile_layers=args.compile)
-    # Mismatch first, while the weights still equal the FP32 reference's.
-    logprobs = token_logprobs(trainer.model, eval_ids)
+    # Mismatch first, while the weights still equal the FP32 reference's, in the trainer's compute
+    # precision (its weights are fp32 masters; bf16 and FP8 are how its forward computes).
+    with trainer.compute():
+        logprobs = token_logprobs(trainer.model, eval_ids)
     mismatch = torch.exp((logprobs - reference_logprobs).abs()).mean().item()
 
     groups = synthetic_groups()

@@ -1,6 +1,6 @@
 """Policy server benchmark. Prints one JSON object.
 
-Generate (greedy, the `tiny` model, `--tokens` new tokens per sample, at each `--concurrency`):
+Generate (greedy, `--model` tiny or smollm2, `--tokens` new tokens per sample, at each `--concurrency`):
   direct_generate  one batched `model.generate` over all prompts, in this process (the floor)
   direct_engine    the same concurrent requests to an in-process TransformersBackend (our engine
                    without gRPC: tells engine overhead apart from transport overhead)
@@ -19,7 +19,8 @@ OpenMP workers on an oversubscribed machine slow a small model down by orders of
 Prompts are chosen so that their greedy continuation runs `--tokens` tokens without a stop token,
 and every way must return the same token ids as `model.generate`.
 
-    python bench/policy.py [--tokens 128] [--concurrency 1 16] [--repeats 5] [--threads 1]
+    python bench/policy.py [--model tiny|smollm2] [--tokens 128] [--concurrency 1 16] [--repeats 5] [--threads 1]
+    python bench/policy.py --model smollm2 --tokens 32 --repeats 3 --skip-weights
 """
 
 from __future__ import annotations
@@ -96,11 +97,13 @@ def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], tokens: in
     return out[:, batch.shape[1]:].tolist()
 
 
-def long_greedy_prompts(model: torch.nn.Module, stop_ids: frozenset[int], count: int, tokens: int) -> list[list[int]]:
-    """`count` byte prompts whose greedy continuation has no stop token in its first `tokens`."""
+def long_greedy_prompts(model: torch.nn.Module, stop_ids: frozenset[int], count: int, tokens: int,
+                        id_range: tuple[int, int] = (32, 127)) -> list[list[int]]:
+    """`count` prompts of random ids in `id_range` (printable bytes for the byte-level tiny model)
+    whose greedy continuation has no stop token in its first `tokens`."""
     rng, found = random.Random(0), []
     for _ in range(50):
-        candidates = [[rng.randrange(32, 127) for _ in range(16)] for _ in range(64)]
+        candidates = [[rng.randrange(*id_range) for _ in range(16)] for _ in range(max(16, 2 * count))]
         for prompt, row in zip(candidates, greedy_generate(model, candidates, tokens)):
             if len(row) == tokens and not stop_ids & set(row):
                 found.append(prompt)
@@ -141,9 +144,11 @@ async def grpc_tokens(client: PolicyClient, prompts: list[list[int]], tokens: in
 
 
 def bench_generate(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]:
-    loaded = load_model("tiny", seed=SEED)
-    prompts = long_greedy_prompts(loaded.model, loaded.stop_token_ids, max(args.concurrency), args.tokens)
-    backend = TransformersBackend(load_model("tiny", seed=SEED))
+    loaded = load_model(args.model, seed=SEED)
+    # Ordinary word-piece ids for a real tokenizer (clear of the special tokens at either end).
+    id_range = (32, 127) if args.model == "tiny" else (1000, min(len(loaded.tokenizer), 30000))
+    prompts = long_greedy_prompts(loaded.model, loaded.stop_token_ids, max(args.concurrency), args.tokens, id_range)
+    backend = TransformersBackend(load_model(args.model, seed=SEED))
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # gRPC channels bind to the loop current when they are made
     client = PolicyClient(server.target)
@@ -346,6 +351,7 @@ def bench_weights(args: argparse.Namespace, server_env: dict[str, str]) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="Model of the Generate part")
     parser.add_argument("--tokens", type=int, default=128, help="New tokens per sample")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--weights-mb", type=float, default=100.0, help="Size of the model pushed by UpdateWeights")
@@ -365,12 +371,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     server_env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
-    report: dict[str, Any] = {"model": "tiny", "tokens_per_sample": args.tokens, "repeats": args.repeats,
+    report: dict[str, Any] = {"model": args.model, "tokens_per_sample": args.tokens, "repeats": args.repeats,
                               "torch_threads": torch.get_num_threads(), **{k.lower(): v for k, v in server_env.items()},
                               "load_average_at_start": os.getloadavg()[0]}
     if not args.skip_generate:
-        server = start_server(["serve", "policy", "--port", "0", "--model", "tiny", "--set", f"seed={SEED}"],
-                              env=server_env)
+        server = start_server(["serve", "policy", "--port", "0", "--model", args.model, "--set", f"seed={SEED}"],
+                              env=server_env, timeout_s=600)
         try:
             report["generate"] = bench_generate(args, server)
         finally:

@@ -38,10 +38,11 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.env_client import EnvClient
-from clients.policy_client import GenerationGroup, PolicyClient, generate_request
+from clients.policy_client import GenerationGroup, PolicyClient, generate_request, text_only
 from clients.replicas import Replica, ReplicaPool
 from clients.retries import Deadlines, RetryPolicy, call_with_deadline, with_retries
 from clients.rollouts import (
+    FinishReasonName,
     MessageRecord,
     RolloutGroup,
     RolloutRecord,
@@ -49,6 +50,7 @@ from clients.rollouts import (
     TaskKey,
     TokenDriftError,
     Trajectory,
+    finish_reason_name,
     status_from_pb,
 )
 from sciproto import pb
@@ -168,7 +170,9 @@ async def generate(policy: PolicyPool, settings: AgentSettings, messages: Sequen
     again (to another replica when one is marked down), within `settings.retries`."""
     sampling = settings.sampling
     request = generate_request(
-        messages=messages, tools=tools, previous_token_ids=previous_token_ids, n=n,
+        # The policy models served here take text: image parts stay in the transcript (and the
+        # rollout record) and the policy sees the message's text.
+        messages=[text_only(message) for message in messages], tools=tools, previous_token_ids=previous_token_ids, n=n,
         temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
         stop=sampling.stop, seed=sampling.seed, request_id=uuid.uuid4().hex)
     request.trace_context.CopyFrom(current_trace_context())
@@ -273,6 +277,8 @@ class Episode:
         self.transcript: list[common_pb2.ChatMessage] = []
         self.tools: list[common_pb2.ToolSpec] = []
         self.trajectory = Trajectory()
+        self.finish_reasons: list[FinishReasonName] = []  # one per policy turn in the trajectory
+        self.step_rewards: list[float] = []  # one per Step
         self.steps = 0
         self.terminated = self.truncated = False
         self.reward: common_pb2.Reward | None = None
@@ -382,6 +388,7 @@ class Episode:
                                      sample.logprobs, sample.version_spans)
         except TokenDriftError as error:
             raise EpisodeFailed(str(error), restartable=False) from error
+        self.finish_reasons.append(finish_reason_name(sample.finish_reason))
         message = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=sample.content,
                                          tool_calls=sample.tool_calls)
         self.transcript.append(message)
@@ -457,6 +464,7 @@ class Episode:
                 self.settings.deadlines.step_s)
             span.set_attribute(Attr.REWARD_VALUE, response.reward.value)
         self.steps = max(self.steps + 1, response.step_count)
+        self.step_rewards.append(response.reward.value)
         self.transcript.extend(response.observations)
         self.terminated, self.truncated = response.terminated, response.truncated
         if response.reward.status == common_pb2.REWARD_STATUS_INFRA_ERROR:
@@ -509,6 +517,7 @@ class Episode:
             messages=[MessageRecord.from_pb(m) for m in self.transcript],
             token_ids=self.trajectory.token_ids, loss_mask=self.trajectory.loss_mask,
             logprobs=self.trajectory.logprobs, version_spans=self.trajectory.version_spans,
+            turn_finish_reasons=self.finish_reasons, step_rewards=self.step_rewards,
             tokens=self.trajectory.counts, policy_version=self.trajectory.versions,
             seconds=round(time.monotonic() - self.started, 4), trace_id=self.trace_id, error=self.error,
         )

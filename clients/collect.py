@@ -29,6 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Se
 from pathlib import Path
 from typing import IO
 
+import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
@@ -45,6 +46,7 @@ from clients.agent import (
 )
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import (
+    RolloutDetail,
     RolloutGroup,
     RolloutRecord,
     RolloutStatus,
@@ -55,6 +57,7 @@ from clients.rollouts import (
 from clients.summary import CollectSummary, summarize
 from sciproto.channel import ServerAccess
 from sciproto.config import load_config
+from sciproto.errors import SciprotoError
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,9 @@ class CollectConfig(BaseModel):
     policy_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the policy servers")
     success_reward: float = Field(1.0, description="A rollout passes (for pass@k) when its reward is at least this")
     progress: bool = Field(True, description="Show a progress bar")
+    rollouts: RolloutDetail = Field("full", description=(
+        "full: every token id, mask bit and logprob (what training needs); summary: the same lines"
+        " without those arrays, a fraction of the size (see clients.rollouts)"))
 
     def agent_settings(self) -> AgentSettings:
         return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines)
@@ -162,6 +168,10 @@ class CollectError(ValueError):
     """Bad `sciproto collect` input; the message says what to fix."""
 
 
+class NothingSucceeded(RuntimeError):
+    """Every rollout of a `sciproto collect` run failed: the command exits non-zero."""
+
+
 def parse_tasks(spec: str) -> tuple[str, str]:
     env, sep, split = spec.partition(":")
     if not sep or not env or not split or ":" in split:
@@ -172,6 +182,20 @@ def parse_tasks(spec: str) -> tuple[str, str]:
 def output_paths(output: Path) -> tuple[Path, Path]:
     """(failures file, summary file) beside `output`."""
     return output.with_name(f"{output.stem}.failures.jsonl"), output.with_name(f"{output.stem}.summary.json")
+
+
+async def check_reachable(pool: EnvPool | PolicyPool, what: str, timeout_s: float) -> None:
+    """Fail at once, saying so, when a server of the pool does not answer Describe (instead of
+    failing every rollout after the pool's wait for a healthy replica)."""
+    for replica in pool.replicas:
+        try:
+            await replica.client.describe(timeout_s)
+        except SciprotoError as error:
+            if error.code == grpc.StatusCode.UNIMPLEMENTED:
+                raise CollectError(f"{replica.target} is not a {what} server (it has no {pool.service});"
+                                   f" give the {what} server's address") from error
+            raise CollectError(f"{what} server {replica.target} does not answer ({error.code.name}:"
+                               f" {error.message}); is it running, at that address?") from error
 
 
 async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> int | None:
@@ -193,8 +217,9 @@ class RolloutWriter:
     """Appends finished rollouts: judged ones to the output, INFRA_ERROR ones to the failures
     file; skips ids the output already holds."""
 
-    def __init__(self, output: Path, failures: Path) -> None:
+    def __init__(self, output: Path, failures: Path, detail: RolloutDetail = "full") -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
+        self.detail = detail
         drop_torn_tail(output)
         self.done = {record.rollout_id for record in read_rollouts(output)}
         self._output: IO[str] = output.open("a", encoding="utf-8")
@@ -206,7 +231,7 @@ class RolloutWriter:
         new = [r for r in group.rollouts if r.rollout_id not in self.done]
         for record in new:
             sink = self._failures if record.status is RolloutStatus.INFRA_ERROR else self._output
-            sink.write(record.to_json_line())
+            sink.write(record.to_json_line(self.detail))
             if record.status is RolloutStatus.INFRA_ERROR:
                 self.failed += 1
             else:
@@ -248,9 +273,11 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
     policy_channels = [config.policy_access.channel(target) for target in policy_targets]
     async with env_pool(env_channels, interceptors=interceptors, **options) as env, \
             policy_pool(policy_channels, interceptors=interceptors, **options) as policy:
+        await check_reachable(env, "env", config.deadlines.describe_s)
         size = await split_size(env, env_name, split, config.deadlines.describe_s)
+        await check_reachable(policy, "policy", config.deadlines.describe_s)
         count = tasks_to_run(size, limit, f"{env_name}:{split}")
-        writer = RolloutWriter(output, failures_path)
+        writer = RolloutWriter(output, failures_path, config.rollouts)
         todo = pending_tasks(env_name, split, count, samples, writer.done)
         log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",
                  len(todo), count, samples, len(writer.done), output)
@@ -270,7 +297,8 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
             bar.close()
             writer.close()
     summary = summarize(read_rollouts(output), writer.failed, success_reward=config.success_reward,
-                        seconds=time.monotonic() - started, finished_this_run=writer.written + writer.failed)
+                        seconds=time.monotonic() - started, finished_this_run=writer.written + writer.failed,
+                        judged_this_run=writer.written)
     summary_path.write_text(summary.model_dump_json(indent=2) + "\n")
     return summary
 
@@ -306,7 +334,10 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     finally:
         shutdown_tracing()
     print_summary(summary, Path(output))
+    if summary.infra_errors and not summary.judged_this_run:
+        raise NothingSucceeded(f"no rollout succeeded: all {summary.infra_errors} failed (infra errors);"
+                               f" their errors are in {output_paths(Path(output))[0]}")
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]

@@ -30,6 +30,17 @@ MiB = 1024 * 1024
 UPDATE_WEIGHTS = "/sciproto.v1.PolicyService/UpdateWeights"
 
 
+def text_only(message: common_pb2.ChatMessage) -> common_pb2.ChatMessage:
+    """`message` without its typed parts: its text (`content`) alone, for a model that takes
+    text only (a policy server refuses image parts it cannot see)."""
+    if not message.parts:
+        return message
+    plain = common_pb2.ChatMessage()
+    plain.CopyFrom(message)
+    plain.ClearField("parts")
+    return plain
+
+
 def generate_request(
     *,
     messages: Sequence[common_pb2.ChatMessage] = (),
@@ -131,11 +142,14 @@ class PolicyClient:
 
     async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                            chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,
-                           request_id: str = "") -> policy_pb2.UpdateWeightsResponse:
+                           request_id: str = "", provenance: policy_pb2.WeightsProvenance | None = None
+                           ) -> policy_pb2.UpdateWeightsResponse:
         """Send every tensor of `state_dict` (the model's full parameter set, in any order) as
         policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
         copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
-        `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it."""
+        `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it.
+        `provenance` (model id, run id, `weights_sha256` of the tensors) is checked by the server
+        before it swaps."""
         from policy_server.weights_stream import (
             chunk_parts,
             data_message_wire,
@@ -151,6 +165,8 @@ class PolicyClient:
         state_dict = distinct_tensors(state_dict)
         header = header_for(state_dict, version, request_id)
         header.trace_context.CopyFrom(current_trace_context())
+        if provenance is not None:
+            header.provenance.CopyFrom(provenance)
 
         async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest | bytes]:
             yield policy_pb2.UpdateWeightsRequest(header=header)

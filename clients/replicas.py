@@ -43,6 +43,7 @@ class Replica(Generic[ClientT]):
     load: int = 0
     healthy: bool = True
     failures: int = 0  # times it was taken out of rotation
+    last_error: str = ""  # why it was last taken out of rotation
     probe: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -101,15 +102,19 @@ class ReplicaPool(Generic[ClientT]):
     async def acquire(self, exclude: frozenset[Replica[ClientT]] = frozenset()) -> Replica[ClientT]:
         """The least-loaded healthy replica (preferring ones not in `exclude`), its load counted
         until `release`. Waits up to `wait_for_healthy_s` for one to come back when all are down."""
+        replica = self._pick(exclude)
+        if replica is not None:  # the usual case: nothing to wait for
+            replica.load += 1
+            return replica
         async with self._changed:
             try:
                 async with asyncio.timeout(self.wait_for_healthy_s):
                     await self._changed.wait_for(lambda: bool(self.healthy()))
             except TimeoutError:
+                why = "; ".join(f"{r.target}: {r.last_error or 'not serving'}" for r in self.replicas)
                 raise Unavailable(
-                    f"no {self.service} replica is healthy ({', '.join(self.targets)}) after waiting"
-                    f" {self.wait_for_healthy_s:g} s; start one or check the addresses",
-                    Reason.SHUTTING_DOWN) from None
+                    f"no {self.service} replica answered within {self.wait_for_healthy_s:g} s ({why});"
+                    " start one or check the addresses", Reason.NO_HEALTHY_REPLICA) from None
             replica = self._pick(exclude)
             assert replica is not None  # wait_for guaranteed a healthy one
             replica.load += 1
@@ -132,6 +137,7 @@ class ReplicaPool(Generic[ClientT]):
             return
         replica.healthy = False
         replica.failures += 1
+        replica.last_error = str(error)
         log.warning("%s replica %s taken out of rotation: %s", self.service, replica.target, error)
         replica.probe = asyncio.create_task(self._probe_until_healthy(replica),
                                             name=f"probe {replica.target}")

@@ -16,19 +16,34 @@ One JSON object per line, UTF-8:
                    "tool_call_id": "", "name": ""}, ...],
      "token_ids": [...], "loss_mask": [...], "logprobs": [...],  # whole trajectory, aligned
      "version_spans": [[start, end, version], ...],             # indices into token_ids
+     "turn_finish_reasons": ["stop" | "length" | "abort" | "unspecified", ...],  # per policy turn
+     "step_rewards": [0.0, ...],                                # each Step's reward, in order
      "tokens": {"prompt": 120, "completion": 40},
      "policy_version": {"min": 3, "max": 4},
      "seconds": 1.73, "trace_id": "32 hex chars or empty", "error": null | "what failed",
-     "finished_at": "ISO 8601 UTC"}
+     "finished_at": "ISO 8601 UTC",
+     "detail": "full" | "summary"}                               # summary: no per-token arrays
 
 `loss_mask` is 1 for tokens the policy sampled and 0 for prompt and environment tokens;
 `logprobs` is the sampling log-probability where the mask is 1 and 0 elsewhere. An INFRA_ERROR
 rollout (the environment failed, or a server stayed unreachable) must never be trained on; its
-reward is 0 only as a placeholder and `error` says what failed.
+reward is 0 only as a placeholder and `error` says what failed. `turn_finish_reasons` says why each
+policy turn ended ("length": cut by its token limit); `step_rewards` holds the environment's reward
+of each Step (`reward` is the Verify grade). Both are empty in files written before they existed.
+
+Why full files are large: a line holds every token id, its loss-mask bit and its log-probability
+(a float written as up to 20 characters of JSON text) for the whole trajectory, prompt included,
+so a rollout of a few hundred tokens takes several kilobytes, most of it logprobs, and a training
+run writes one line per sample of every group. A *summary* line (`detail: "summary"`, written by
+`sciproto collect --rollouts summary` or `rollout.rollouts_file: summary` in training) keeps
+everything else (ids, task, status, reward and components, messages, token counts, versions,
+timings) and leaves the three arrays and `version_spans` empty: the transcript and figures stay,
+the trainable tokens go. `sciproto view` reads both kinds, in one file or mixed.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +54,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from sciproto.pb import common_pb2
+from sciproto.pb import common_pb2, policy_pb2
 
 SCHEMA = "sciproto.rollout/1"
+RolloutDetail = Literal["full", "summary"]
 
 
 class RolloutStatus(StrEnum):
@@ -66,6 +82,21 @@ def status_from_pb(status: int) -> RolloutStatus:
     return _STATUS_FROM_PB[status]
 
 
+FinishReasonName = Literal["stop", "length", "abort", "unspecified"]
+FINISH_REASON_TO_PB: dict[str, int] = {
+    "unspecified": policy_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": policy_pb2.FINISH_REASON_STOP,
+    "length": policy_pb2.FINISH_REASON_LENGTH,
+    "abort": policy_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_REASON_FROM_PB = {number: name for name, number in FINISH_REASON_TO_PB.items()}
+
+
+def finish_reason_name(reason: int) -> FinishReasonName:
+    """A policy FinishReason as the record's name; a number this client does not know is "unspecified"."""
+    return _FINISH_REASON_FROM_PB.get(reason, "unspecified")  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, order=True)
 class TaskKey:
     """One task of an environment's dataset."""
@@ -88,12 +119,35 @@ class ToolCallRecord(BaseModel):
     arguments: str = Field(description="JSON object as text, verbatim as the model wrote it")
 
 
+class PartRecord(BaseModel):
+    """One typed part of a message's content (ChatMessage.parts): text, an image (its bytes in
+    base64, as JSON holds no bytes) or a file reference."""
+
+    type: Literal["text", "image", "file"]
+    text: str = ""
+    mime_type: str = ""
+    data_base64: str = Field("", description="image bytes, base64 (standard alphabet, padded)")
+    uri: str = Field("", description="file: where it is (workspace path or URI)")
+
+    @classmethod
+    def from_pb(cls, part: common_pb2.ContentPart) -> PartRecord:
+        kind = part.WhichOneof("part")
+        if kind == "image":
+            return cls(type="image", mime_type=part.image.mime_type,
+                       data_base64=base64.b64encode(part.image.data).decode())
+        if kind == "file":
+            return cls(type="file", uri=part.file.uri, mime_type=part.file.mime_type)
+        return cls(type="text", text=part.text)
+
+
 class MessageRecord(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     tool_calls: list[ToolCallRecord] = Field(default_factory=list)
     tool_call_id: str = ""
     name: str = ""
+    parts: list[PartRecord] = Field(default_factory=list, description="typed parts, when the message has more "
+                                                                      "than text (content holds its text)")
 
     @classmethod
     def from_pb(cls, message: common_pb2.ChatMessage) -> MessageRecord:
@@ -105,6 +159,7 @@ class MessageRecord(BaseModel):
             tool_calls=[ToolCallRecord(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls],
             tool_call_id=message.tool_call_id,
             name=message.name,
+            parts=[PartRecord.from_pb(part) for part in message.parts],
         )
 
 
@@ -141,12 +196,16 @@ class RolloutRecord(BaseModel):
     loss_mask: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     version_spans: list[tuple[int, int, int]] = Field(default_factory=list)
+    turn_finish_reasons: list[FinishReasonName] = Field(
+        default_factory=list, description='Why each policy turn ended, in order; "length": cut by its token limit')
+    step_rewards: list[float] = Field(default_factory=list, description="The environment's reward of each Step, in order")
     tokens: TokenCounts = Field(default_factory=TokenCounts)
     policy_version: VersionRange = Field(default_factory=VersionRange)
     seconds: float = 0.0
     trace_id: str = ""
     error: str | None = None
     finished_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    detail: RolloutDetail = Field("full", description="summary: the per-token arrays were left out")
 
     model_config = {"populate_by_name": True}
 
@@ -162,8 +221,13 @@ class RolloutRecord(BaseModel):
             raise ValueError(f"rollout {self.rollout_id}: an INFRA_ERROR rollout must say what failed in `error`")
         return self
 
-    def to_json_line(self) -> str:
-        return self.model_dump_json(by_alias=True) + "\n"
+    def to_json_line(self, detail: RolloutDetail = "full") -> str:
+        """The record as one line; `detail="summary"` leaves out the per-token arrays."""
+        record = self
+        if detail == "summary":
+            record = self.model_copy(update={"token_ids": [], "loss_mask": [], "logprobs": [],
+                                             "version_spans": [], "detail": "summary"})
+        return record.model_dump_json(by_alias=True) + "\n"
 
 
 @dataclass

@@ -37,10 +37,11 @@ class CollectSummary(BaseModel):
     tokens: dict[str, int]
     seconds: float = Field(description="Wall time of this run")
     rollouts_per_s: float = Field(description="Rollouts finished by this run per second")
+    judged_this_run: int = Field(0, description="SCORED and UNSCORED rollouts this run wrote")
 
 
 def summarize(rollouts: Iterable[RolloutRecord], failures: int, *, success_reward: float, seconds: float,
-              finished_this_run: int) -> CollectSummary:
+              finished_this_run: int, judged_this_run: int = 0) -> CollectSummary:
     records = list(rollouts)
     scored = [r for r in records if r.status is RolloutStatus.SCORED]
     groups: dict[str, list[RolloutRecord]] = defaultdict(list)
@@ -61,4 +62,5 @@ def summarize(rollouts: Iterable[RolloutRecord], failures: int, *, success_rewar
         tokens={"prompt": sum(r.tokens.prompt for r in records), "completion": sum(r.tokens.completion for r in records)},
         seconds=round(seconds, 3),
         rollouts_per_s=round(finished_this_run / seconds, 3) if seconds > 0 else 0.0,
+        judged_this_run=judged_this_run,
     )

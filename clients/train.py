@@ -38,13 +38,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
 
+from clients import resume
 from clients.agent import Sampling, env_pool, policy_pool
 from clients.collect import collect, split_size
+from clients.curriculum import read_curriculum
 from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
+from clients.rollouts import (
+    FINISH_REASON_TO_PB,
+    RolloutDetail,
+    RolloutGroup,
+    RolloutRecord,
+    RolloutStatus,
+    TaskKey,
+)
 from clients.train_display import Progress, RunStatus
 from clients.train_flow import Flow, GroupLedger
 from clients.train_processes import start_servers, stop_servers
+from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 from learner.server_config import LearnerServerConfig
@@ -81,10 +91,11 @@ class RunSettings(BaseModel):
     name: str = Field("demo", description="Run name; the run directory is <dir>/<name>")
     dir: Path = Field(Path("runs"), description="Parent of run directories")
     resume: bool = Field(
-        False,
+        True,
         description=(
-            "Continue the run in <dir>/<name> from its checkpoint; otherwise an existing name gets a"
-            " numbered sibling (<name>-2, ...)"
+            "Continue the latest run of this name that holds a checkpoint (<dir>/<name> or its"
+            " highest <name>-N); false (`sciproto train --fresh`) starts over, in a numbered"
+            " sibling (<name>-2, ...) when <dir>/<name> is taken"
         ),
     )
 
@@ -120,6 +131,10 @@ class RolloutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tasks: str = Field("toy:train", description="ENV:SPLIT, cycled over")
+    curriculum: Path | None = Field(
+        None,
+        description="A curriculum file (`sciproto eval --write-curriculum`): cycle over its tasks of the split only",
+    )
     samples: int = Field(8, ge=2, description="Samples per task: one GRPO group")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
     max_groups_ahead: int | None = Field(
@@ -132,6 +147,9 @@ class RolloutSettings(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most environment Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory")
+    rollouts_file: RolloutDetail = Field(
+        "full", description="rollouts.jsonl lines: full (token arrays too) or summary (see clients.rollouts)"
+    )
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     learner_reconnect_s: float = Field(
@@ -205,6 +223,13 @@ class TrainConfig(BaseModel):
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
         env, _ = self.rollout.split()
+        if self.rollout.curriculum is not None:
+            curriculum = read_curriculum(self.rollout.curriculum)
+            if curriculum.tasks != self.rollout.tasks:
+                raise ValueError(
+                    f"rollout.curriculum {self.rollout.curriculum} lists tasks of {curriculum.tasks},"
+                    f" but rollout.tasks is {self.rollout.tasks}"
+                )
         if env not in self.env.envs:
             raise ValueError(
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
@@ -222,22 +247,25 @@ def load_train_config(config: str | Path, overrides: Sequence[str] = ()) -> Trai
     return load_config(TrainConfig, config, list(overrides))
 
 
+def check_envs(names: Sequence[str]) -> None:
+    """Refuse, before any server starts, an environment the env server could not host."""
+    for name in names:
+        try:
+            check_name(name)
+        except ValueError as error:
+            raise ConfigError(f"env.envs: {error}") from None
+
+
 def choose_run_dir(run: RunSettings) -> Path:
-    """<dir>/<name>, or with resume off and that taken, the first free <dir>/<name>-N."""
-    base = run.dir / run.name
-    if run.resume or not base.exists():
-        return base
-    for number in itertools.count(2):
-        candidate = run.dir / f"{run.name}-{number}"
-        if not candidate.exists():
-            return candidate
-    raise AssertionError("unreachable")
+    """The run directory: see `clients.resume.choose_run_dir`."""
+    return resume.choose_run_dir(run.dir, run.name, run.resume)
 
 
 # ---------------------------------------------------------------------- rollouts -> learner
 
 
 def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
+    """The learner's message for one rollout record, finish reasons and step rewards included."""
     return learner_pb2.Rollout(
         sample_index=record.sample,
         token_ids=record.token_ids,
@@ -254,6 +282,8 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
             detail=record.reward_detail or (record.error or ""),
         ),
         turns=record.steps,
+        turn_finish_reasons=[FINISH_REASON_TO_PB[reason] for reason in record.turn_finish_reasons],
+        step_rewards=record.step_rewards,
     )
 
 
@@ -366,19 +396,28 @@ async def run_rollouts_into_learner(
     status = RunStatus(batch_groups=config.learner.batch_groups)
     outcome = TrainOutcome(run_dir=str(run_dir))
     outgoing: asyncio.Queue[learner_pb2.TrainStepRequest] = asyncio.Queue()
-    epochs: dict[TaskKey, int] = {}
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
 
     async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
+        # A resumed run continues after the groups its learner trained, never re-sending one.
+        point = resume.resume_point(resume.trained_group_ids(run_dir), env_name, split, size)
+        epochs: dict[TaskKey, int] = point.epochs
+        if point.trained:
+            log.info("resuming after %d trained groups of %s:%s", point.trained, env_name, split)
 
         async def tasks() -> AsyncIterator[TaskKey]:
-            for number in itertools.count():
+            for number in itertools.count(point.start):
                 await flow.admit()
                 status.groups_generating = flow.in_flight
-                # Epochs over a bounded split; an unbounded one (any index is a task) never repeats.
-                yield TaskKey(env_name, split, number if size is None else number % size)
+                # Epochs over a bounded split (or the curriculum's tasks of it); an unbounded split
+                # (any index is a task) never repeats.
+                if chosen is not None:
+                    yield TaskKey(env_name, split, chosen[number % len(chosen)])
+                else:
+                    yield TaskKey(env_name, split, number if size is None else number % size)
 
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             async for group in collect(
@@ -403,7 +442,7 @@ async def run_rollouts_into_learner(
                         if record.status is RolloutStatus.INFRA_ERROR
                         else rollouts_file
                     )
-                    sink.write(record.to_json_line())
+                    sink.write(record.to_json_line(rollout.rollouts_file))
                 rollouts_file.flush()
                 failures_file.flush()
                 outcome.groups_generated += 1
@@ -635,7 +674,9 @@ async def _train_async(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
-    if processes["learner"].alive():
+    # A run that made no optimizer step has nothing new to save (a checkpoint now would be a
+    # copy of the base model, or of the checkpoint it resumed from).
+    if outcome.steps and processes["learner"].alive():
         saved = await final_checkpoint(processes["learner"].target, config.processes.stop_timeout_s)
         outcome.checkpoint = saved.directory
     return outcome
@@ -693,6 +734,7 @@ def main(config: str | None, overrides: list[str]) -> TrainOutcome:
     """`sciproto train`: see the module docstring."""
     try:
         settings = load_train_config(config or "demo", overrides)
+        check_envs(settings.env.envs)
     except ConfigError as error:
         raise SystemExit(f"sciproto train: {error}") from None
     outcome = train(settings)

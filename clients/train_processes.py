@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 def write_component_config(config: TrainConfig, run_dir: Path, policy_target: str) -> Path:
     """The resolved config every child reads its own section of."""
     learner = config.learner.model_copy(
-        update={"policy_targets": [policy_target], "run_dir": run_dir}
+        update={
+            "policy_targets": [policy_target],
+            "run_dir": run_dir,
+            "max_steps": config.budget.max_steps,
+        }
     )
     resolved = config.model_copy(update={"learner": learner})
     path = run_dir / "config.yaml"

@@ -11,13 +11,13 @@ from collections.abc import Mapping
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports aviary
 
-import yaml
 
 from env_servers.catalog import EnvironmentSource, load_source
 from env_servers.config import EnvServerConfig
+from env_servers.sandbox import SandboxUnavailable
 from env_servers.service import EnvironmentService
 from sciproto.auth import Authenticator
-from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import ENV_SERVICE, env_grpc
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
@@ -30,12 +30,7 @@ SECTION = "env"  # in a config file shared by every component, the env server re
 def load_settings(config: str | None, overrides: list[str]) -> EnvServerConfig:
     """The configuration from `config` (a whole file for this server, or the `env` section of a
     file for every component) and `key.path=value` overrides."""
-    section = None
-    if config is not None:
-        loaded = yaml.safe_load(resolve_path(config).read_text())
-        if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict):
-            section = SECTION
-    return load_config(EnvServerConfig, config, overrides, section=section)
+    return load_component_config(EnvServerConfig, config, overrides, SECTION)
 
 
 def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
@@ -43,7 +38,7 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
     for name in settings.envs:
         try:
             sources[name] = load_source(name, settings.env_options.get(name, {}))
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, SandboxUnavailable) as error:
             raise ConfigError(f"environment {name!r} cannot be hosted: {error}") from error
     return sources
 

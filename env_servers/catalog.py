@@ -51,6 +51,23 @@ def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
 
+def check_name(name: str) -> None:
+    """Raise ValueError, saying what is available or what to install, unless `name` is a
+    built-in or an Aviary environment whose package is installed; builds nothing."""
+    if name in _BUILTINS:
+        return
+    from env_servers.envs.aviary_registry import aviary_names, missing_package
+
+    if (package := missing_package(name)) is not None:
+        raise ValueError(f"environment {name!r} needs the package {package}, which is not installed:"
+                         f" pip install {package} (into the environment sciproto runs from)")
+    if name not in aviary_names():
+        raise ValueError(
+            f"unknown environment {name!r}; built-in environments: {builtin_names()};"
+            f" other names Aviary can build: {aviary_names()}"
+        )
+
+
 def load_source(name: str, options: dict[str, str] | None = None) -> EnvironmentSource:
     """The environment source called `name`, configured by string `options`.
 
@@ -59,23 +76,15 @@ def load_source(name: str, options: dict[str, str] | None = None) -> Environment
     options = dict(options or {})
     if name in _BUILTINS:
         return _BUILTINS[name](options)
+    check_name(name)
 
-    from aviary.env import ENV_REGISTRY, TASK_DATASET_REGISTRY
+    from aviary.env import TASK_DATASET_REGISTRY
 
-    from env_servers.envs.aviary_registry import (
-        AviaryDatasetSource,
-        AviaryEnvironmentSource,
-        aviary_names,
-    )
+    from env_servers.envs.aviary_registry import AviaryDatasetSource, AviaryEnvironmentSource
 
     if name in TASK_DATASET_REGISTRY:
         return AviaryDatasetSource(name, options)
-    if name in ENV_REGISTRY:
-        return AviaryEnvironmentSource(name, options)
-    raise ValueError(
-        f"unknown environment {name!r}; built-in environments: {builtin_names()};"
-        f" other names Aviary can build: {aviary_names()}"
-    )
+    return AviaryEnvironmentSource(name, options)
 
 
 __all__ = [
@@ -83,6 +92,7 @@ __all__ = [
     "EnvironmentSource",
     "RescoreUnsupportedError",
     "builtin_names",
+    "check_name",
     "load_source",
     "reward_components",
 ]

@@ -28,6 +28,8 @@ class EnvServerConfig(BaseModel):
     idle_ttl_s: float = Field(600.0, gt=0, description="An episode untouched this long is closed")
     step_timeout_s: float = Field(120.0, gt=0, description="A Step (or Reset) running longer fails the episode")
     heartbeat_interval_s: float = Field(5.0, gt=0, description="Session heartbeat period while an operation runs")
+    session_max_in_flight: int = Field(256, gt=0, description="Operations one Session stream may have running;"
+                                       " more are answered in-band with RESOURCE_EXHAUSTED and RetryInfo")
     idempotency_cache_size: int = Field(8192, gt=0, description="Results kept for retried request_ids")
     retry_after_s: float = Field(1.0, gt=0, description="RetryInfo delay sent with a refused Reset")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens and roles; off unless set")

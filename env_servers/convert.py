@@ -14,12 +14,17 @@ reads why.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import mimetypes
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aviary.core import Message, Tool, ToolCall, ToolRequestMessage, ToolResponseMessage
-from aviary.tools.base import INVALID_TOOL_NAME, ToolCallFunction
+from aviary.tools.base import INVALID_TOOL_NAME, FunctionInfo, ToolCallFunction
 
 from sciproto.errors import InvalidArgument, Reason
 from sciproto.pb import common_pb2
@@ -44,8 +49,9 @@ _ROLE_TO_AVIARY = {
 
 def message_to_proto(message: Message) -> common_pb2.ChatMessage:
     """One Aviary message as a ChatMessage; None content becomes empty text."""
+    text, parts = _content(message)
     proto = common_pb2.ChatMessage(
-        role=_ROLE_FROM_AVIARY.get(message.role, common_pb2.ROLE_USER), content=_text(message)
+        role=_ROLE_FROM_AVIARY.get(message.role, common_pb2.ROLE_USER), content=text, parts=parts
     )
     if isinstance(message, ToolRequestMessage):
         for call in message.tool_calls:
@@ -58,36 +64,78 @@ def message_to_proto(message: Message) -> common_pb2.ChatMessage:
     return proto
 
 
-def _text(message: Message) -> str:
-    """The message's content as text. Multimodal content made only of text parts (Aviary's
-    notebook sends its state that way) is joined into plain text; content with other parts
-    (images) stays the JSON list Aviary made of it."""
+def _content(message: Message) -> tuple[str, list[common_pb2.ContentPart]]:
+    """The message's text, and its typed parts when it has more than text. Aviary's multimodal
+    content (a JSON list of OpenAI-style parts; the notebook sends a figure that way) becomes
+    text and image parts, the text parts joined into `content`; content made only of text
+    parts is plain text, without parts."""
     if not message.content_is_json_str or not message.content:
-        return message.content or ""
+        return message.content or "", []
     try:
-        parts = json.loads(message.content)
+        items = json.loads(message.content)
     except json.JSONDecodeError:
-        return message.content
-    if isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-        return "\n".join(str(part.get("text", "")) for part in parts)
-    return message.content
+        return message.content, []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        return message.content, []
+    parts = [_part(item) for item in items]
+    text = "\n".join(part.text for part in parts if part.WhichOneof("part") == "text")
+    if all(part.WhichOneof("part") == "text" for part in parts):
+        return text, []
+    return text, parts
+
+
+def _part(item: dict[str, Any]) -> common_pb2.ContentPart:
+    """One OpenAI-style content part: text, an image_url (a data: URL becomes the image's bytes,
+    any other URL a file reference), or anything else kept as its JSON text."""
+    if item.get("type") == "text":
+        return common_pb2.ContentPart(text=str(item.get("text", "")))
+    url = item.get("image_url", {}).get("url", "") if isinstance(item.get("image_url"), dict) else ""
+    if item.get("type") == "image_url" and url.startswith("data:") and ";base64," in url:
+        header, encoded = url.split(",", 1)
+        mime_type = header.removeprefix("data:").split(";", 1)[0] or "application/octet-stream"
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except binascii.Error:
+            return common_pb2.ContentPart(text=json.dumps(item))
+        return common_pb2.ContentPart(image=common_pb2.ImagePart(data=data, mime_type=mime_type))
+    if item.get("type") == "image_url" and url:
+        return common_pb2.ContentPart(file=common_pb2.FileRef(uri=url, mime_type=mimetypes.guess_type(url)[0] or ""))
+    return common_pb2.ContentPart(text=json.dumps(item))
 
 
 def messages_to_proto(messages: Sequence[Message]) -> list[common_pb2.ChatMessage]:
     return [message_to_proto(message) for message in messages]
 
 
+# FunctionInfo -> its ToolSpec, for tools that share one FunctionInfo across episodes (see
+# env_servers.envs.source.cached_tools); each entry holds its FunctionInfo, so an id stays its own.
+_SPECS: OrderedDict[int, tuple[FunctionInfo, common_pb2.ToolSpec]] = OrderedDict()
+_SPECS_KEPT = 256
+
+
 def tool_to_proto(tool: Tool) -> common_pb2.ToolSpec:
-    """A Tool in OpenAI function form, its parameters' JSON Schema as text."""
-    parameters = tool.info.parameters
+    """A Tool in OpenAI function form, its parameters' JSON Schema as text. The spec of a
+    FunctionInfo seen before is the one made then (do not modify what this returns)."""
+    cached = _SPECS.get(id(tool.info))
+    if cached is not None and cached[0] is tool.info:
+        return cached[1]
+    spec = _spec(tool.info)
+    _SPECS[id(tool.info)] = (tool.info, spec)
+    if len(_SPECS) > _SPECS_KEPT:
+        _SPECS.popitem(last=False)
+    return spec
+
+
+def _spec(info: FunctionInfo) -> common_pb2.ToolSpec:
+    parameters = info.parameters
     schema = (
         parameters.model_dump(exclude_none=True, by_alias=True)
         if parameters is not None
         else {"type": "object", "properties": {}}
     )
     return common_pb2.ToolSpec(
-        name=tool.info.name,
-        description=tool.info.description,
+        name=info.name,
+        description=info.description,
         parameters_json_schema=json.dumps(schema),
     )
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 from aviary.core import Environment
-from opentelemetry.trace import Span
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from env_servers import convert
 from env_servers.catalog import (
@@ -34,16 +34,17 @@ from sciproto.errors import (
     InvalidArgument,
     NotFound,
     Reason,
+    SciprotoError,
     Unimplemented,
 )
 from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
 from sciproto.server import server_info
-from sciproto.tracing import Attr, Operation, span_for_request, span_name
+from sciproto.tracing import Attr, Operation, span_for_request, span_name, tracing_enabled
 
 log = logging.getLogger("env_servers.service")
 
-CAPABILITIES = ("session", "session.heartbeat", "verify.episode", "verify.trajectory",
-                "inline_tasks", "idempotent_requests")
+CAPABILITIES = ("session", "session.heartbeat", "session.cancel", "session.max_in_flight", "verify.episode",
+                "verify.trajectory", "inline_tasks", "idempotent_requests")
 
 Response = TypeVar("Response")
 
@@ -89,6 +90,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         environments = [
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
+                provenance=self._provenance(name),
                 splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
                         for split, size in self.splits[name].items()])
             for name, source in self.sources.items()
@@ -98,7 +100,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             server=server, environments=environments,
             limits=env_pb2.EnvironmentLimits(
                 max_live_episodes=self.config.max_live_episodes, idle_ttl_seconds=self.config.idle_ttl_s,
-                step_timeout_seconds=self.config.step_timeout_s),
+                step_timeout_seconds=self.config.step_timeout_s,
+                session_max_in_flight=self.config.session_max_in_flight),
             counters=env_pb2.EnvironmentCounters(
                 live_episodes=self.registry.live, episodes_opened=counters.opened,
                 episodes_expired=counters.expired, steps=counters.steps, errors=counters.errors))
@@ -127,11 +130,11 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         if which == "task_ref":
             split, index = request.task_ref.split, request.task_ref.index
             self._check_task(request.env, split, index)
-            summary = source.task_summary(split, index)
+            summary, task_id = source.task_summary(split, index), source.task_id(split, index)
             make: Callable[[], Awaitable[Environment]] = lambda: source.make(split, index)
         elif which == "inline_task":
             fields = dict(request.inline_task.fields)
-            summary, make = fields, lambda: _make_inline(source, fields)
+            summary, make, task_id = fields, lambda: _make_inline(source, fields), source.inline_task_id(fields)
         else:
             raise InvalidArgument("ResetRequest names no task: set task_ref {split, index} or inline_task",
                                   Reason.INVALID_REQUEST)
@@ -140,7 +143,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         tools = convert.tools_to_proto(episode.tools)
         self.tools_seen[request.env] = tools
         return env_pb2.ResetResponse(episode_id=episode.id, observations=convert.messages_to_proto(observations),
-                                     tools=tools, task_summary=summary)
+                                     tools=tools, task_summary=summary, task_id=task_id)
 
     @_counts_errors
     async def step(self, request: env_pb2.StepRequest, *, context: grpc.aio.ServicerContext | None = None,
@@ -157,7 +160,9 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         action = convert.action_from_proto(request.action, episode.tools)
         outcome = await self.registry.step(episode, action.message)
         convert.explain_invalid_calls(outcome.observations, action.invalid_calls)
-        return _step_response(outcome)
+        response = _step_response(outcome)
+        response.reward.provenance.CopyFrom(self._provenance(episode.env_name))
+        return response
 
     @_counts_errors
     async def verify(self, request: env_pb2.VerifyRequest, *,
@@ -167,11 +172,13 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             with span_for_request(span_name(Operation.ENV_VERIFY, request.trajectory.env), context,
                                   request.trace_context, **{Attr.ENV_NAME: request.trajectory.env}) as span:
                 reward = await self._trajectory_reward(request.trajectory)
+                reward.provenance.CopyFrom(self._provenance(request.trajectory.env))
                 _record_reward(span, reward)
                 return env_pb2.VerifyResponse(reward=reward)
         if which == "episode_id":
             with self._episode_span(Operation.ENV_VERIFY, request, request.episode_id, context) as span:
                 reward = self._episode_reward(request.episode_id)
+                reward.provenance.CopyFrom(self._provenance(self.registry.get(request.episode_id).env_name))
                 _record_reward(span, reward)
                 return env_pb2.VerifyResponse(reward=reward)
         raise InvalidArgument("VerifyRequest names nothing to grade: set episode_id or trajectory",
@@ -202,17 +209,24 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def _trajectory_reward(self, trajectory: env_pb2.StoredTrajectory) -> common_pb2.Reward:
         source = self._source(trajectory.env)
-        if trajectory.WhichOneof("task") != "task_ref":
-            raise Unimplemented(
-                "re-scoring a trajectory needs its task_ref (split, index); trajectories of inline tasks"
-                " cannot be re-scored: Verify the live episode instead", Reason.UNSUPPORTED)
-        split, index = trajectory.task_ref.split, trajectory.task_ref.index
-        self._check_task(trajectory.env, split, index)
         messages = [convert.message_from_proto(message) for message in trajectory.messages]
+        which = trajectory.WhichOneof("task")
+        if which == "task_ref":
+            split, index = trajectory.task_ref.split, trajectory.task_ref.index
+            self._check_task(trajectory.env, split, index)
+            rescore = lambda: source.rescore(split, index, messages)
+        elif which == "inline_task":
+            fields = dict(trajectory.inline_task.fields)
+            rescore = lambda: _rescore_inline(source, fields, messages)
+        else:
+            raise InvalidArgument("StoredTrajectory names no task: set task_ref {split, index} or inline_task",
+                                  Reason.INVALID_REQUEST)
         try:
-            value, components = await source.rescore(split, index, messages)
+            value, components = await rescore()
         except RescoreUnsupportedError as error:
             raise Unimplemented(f"{error}; Verify the live episode instead", Reason.UNSUPPORTED) from None
+        except SciprotoError:
+            raise
         except Exception as error:
             log.warning("%s: rescore raised", trajectory.env, exc_info=True)
             self.registry.counters.errors += 1
@@ -229,10 +243,17 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
     def _episode_span(self, operation: str, request: Any, episode_id: str,
                       context: grpc.aio.ServicerContext | None) -> contextlib.AbstractContextManager[Span]:
         """The span of an operation on an open episode, named after the episode's environment."""
+        if not tracing_enabled():  # no span to name: skip the lookup
+            return contextlib.nullcontext(INVALID_SPAN)
         episode = self.registry.find(episode_id)
         env = episode.env_name if episode is not None else None
         return span_for_request(span_name(operation, env), context, request.trace_context,
                                 **{Attr.ENV_NAME: env, Attr.EPISODE_ID: episode_id})
+
+    def _provenance(self, env: str) -> common_pb2.Provenance:
+        environment_version, grader_version = self.sources[env].versions
+        return common_pb2.Provenance(environment=env, environment_version=environment_version,
+                                     grader_version=grader_version)
 
     # ------------------------------------------------------------ checks
 
@@ -278,7 +299,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     async def Session(self, request_iterator: AsyncIterator[env_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[env_pb2.SessionResponse]:
-        stream = SessionStream(self, self.config.heartbeat_interval_s, context)
+        stream = SessionStream(self, self.config.heartbeat_interval_s, context,
+                               max_in_flight=self.config.session_max_in_flight)
         async for response in stream.run(request_iterator):
             yield response
 
@@ -286,6 +308,14 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 async def _make_inline(source: EnvironmentSource, fields: dict[str, str]) -> Environment:
     try:
         return await source.make_inline(fields)
+    except ValueError as error:
+        raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
+
+
+async def _rescore_inline(source: EnvironmentSource, fields: dict[str, str],
+                          messages: list[Any]) -> tuple[float, dict[str, float]]:
+    try:
+        return await source.rescore_inline(fields, messages)
     except ValueError as error:
         raise InvalidArgument(f"inline task for {source.name!r}: {error}", Reason.INVALID_REQUEST) from None
 

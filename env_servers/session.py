@@ -7,6 +7,13 @@ on. While operations run longer than the heartbeat interval, the stream sends he
 the stream ends (the client half-closes, cancels or disconnects), every episode opened on it and
 not yet closed is closed.
 
+Flow control (protocol 1.2): at most `max_in_flight` operations run at once; one sent beyond
+that is answered at once with RESOURCE_EXHAUSTED (TOO_MANY_IN_FLIGHT) and a RetryInfo. Answers
+wait in a bounded queue: a client that stops reading stops the server reading its frames, and
+gRPC's flow control holds back the rest. Every frame is charged to the principal's request rate,
+as a unary call is (over it: RATE_LIMITED, in-band). A `cancel` stops one running operation,
+which is answered CANCELLED; a step cancelled mid-way fails its episode (see EpisodeRegistry).
+
 The stream as a whole needs the AGENT role (checked before it starts); a verify on it also needs
 GRADER, checked per operation, as the unary Verify RPC requires.
 """
@@ -22,8 +29,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from sciproto.auth import AuthRole, require_role
-from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
+from sciproto.auth import AuthRole, charge_request, current_principal, require_role
+from sciproto.errors import (
+    Cancelled,
+    Internal,
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+    SciprotoError,
+    to_status,
+)
 from sciproto.pb import env_pb2
 
 if TYPE_CHECKING:
@@ -41,12 +56,17 @@ class _Running:
 
 class SessionStream:
     def __init__(self, service: EnvironmentService, heartbeat_interval_s: float,
-                 context: grpc.aio.ServicerContext | None = None) -> None:
+                 context: grpc.aio.ServicerContext | None = None, max_in_flight: int = 256) -> None:
         self.service = service
         self.context = context
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._answers: asyncio.Queue[env_pb2.SessionResponse | None] = asyncio.Queue()
+        self.max_in_flight = max_in_flight
+        # Room for every running operation's answer and as many refusals; beyond that the
+        # reader waits for the client to read (heartbeats are dropped instead of waiting).
+        self._answers: asyncio.Queue[env_pb2.SessionResponse | None] = asyncio.Queue(2 * max_in_flight + 1)
         self._running: dict[asyncio.Task[None], _Running] = {}
+        self._by_request_id: dict[str, asyncio.Task[None]] = {}  # running operations, for cancel
+        self._cancelled: set[asyncio.Task[None]] = set()  # stopped by the client's cancel
         self._opened: set[str] = set()  # episodes opened here and not closed yet
         self._unreadable: SciprotoError | None = None  # a frame that was not a SessionRequest
 
@@ -69,32 +89,88 @@ class SessionStream:
                 await self.service.registry.close_all(list(self._opened))
 
     async def _read(self, requests: AsyncIterator[env_pb2.SessionRequest]) -> None:
+        principal = current_principal()
         try:
             async for request in requests:
-                operation = asyncio.ensure_future(self._answer(request))
-                self._running[operation] = _Running(_request_id(request), _episode_id(request),
-                                                    time.monotonic())
-                operation.add_done_callback(self._running.pop)
+                refusal = self._admit(request, principal)
+                if refusal is not None:
+                    await self._answers.put(refusal)
+                elif request.WhichOneof("operation") == "cancel":
+                    await self._answers.put(self._cancel(request.cancel))
+                else:
+                    self._start(request)
             if self._running:
                 await asyncio.wait(list(self._running))
         except SciprotoError as error:  # an undecodable frame: no request_id to answer in-band
             self._unreadable = error
         except Exception as error:  # the transport broke; the stream ends and cleans up
             log.info("session stream ended while reading: %s", error, exc_info=True)
-        finally:
-            self._answers.put_nowait(None)
+        # Not in a finally: when the stream is torn down this task is cancelled, and nobody
+        # reads the queue any more.
+        await self._answers.put(None)
+
+    def _admit(self, request: env_pb2.SessionRequest, principal: object) -> env_pb2.SessionResponse | None:
+        """The in-band refusal of a frame over the principal's rate or beyond max_in_flight."""
+        try:
+            charge_request(principal)  # type: ignore[arg-type]
+            if request.WhichOneof("operation") != "cancel" and len(self._running) >= self.max_in_flight:
+                raise ResourceExhausted(
+                    f"this Session stream has {len(self._running)} operations running, its max_in_flight;"
+                    " wait for answers before sending more, or retry after the delay in RetryInfo",
+                    Reason.TOO_MANY_IN_FLIGHT, metadata={"max_in_flight": str(self.max_in_flight)},
+                    retry_after_s=self.service.config.retry_after_s)
+        except SciprotoError as error:
+            answer = env_pb2.SessionResponse(request_id=_request_id(request), episode_id=_episode_id(request))
+            answer.error.CopyFrom(to_status(error))
+            return answer
+        return None
+
+    def _start(self, request: env_pb2.SessionRequest) -> None:
+        request_id = _request_id(request)
+        operation = asyncio.ensure_future(self._answer(request))
+        self._running[operation] = _Running(request_id, _episode_id(request), time.monotonic())
+        if request_id:
+            self._by_request_id[request_id] = operation
+        operation.add_done_callback(self._finished)
+
+    def _finished(self, operation: asyncio.Task[None]) -> None:
+        running = self._running.pop(operation)
+        if self._by_request_id.get(running.request_id) is operation:
+            del self._by_request_id[running.request_id]
+        self._cancelled.discard(operation)
+
+    def _cancel(self, cancel: env_pb2.CancelRequest) -> env_pb2.SessionResponse:
+        """Stop the running operation `cancel` names; its own answer says CANCELLED."""
+        operation = self._by_request_id.get(cancel.target_request_id)
+        stopped = operation is not None and not operation.done()
+        if stopped:
+            assert operation is not None
+            self._cancelled.add(operation)
+            operation.cancel()
+        episode_id = self._running[operation].episode_id if stopped and operation in self._running else ""
+        return env_pb2.SessionResponse(request_id=cancel.request_id, episode_id=episode_id,
+                                       cancel=env_pb2.CancelResponse(cancelled=stopped))
 
     async def _answer(self, request: env_pb2.SessionRequest) -> None:
         answer = env_pb2.SessionResponse(request_id=_request_id(request), episode_id=_episode_id(request))
         try:
             await self._apply(request, answer)
+        except asyncio.CancelledError:
+            if asyncio.current_task() not in self._cancelled:
+                raise  # the stream is ending
+            operation = request.WhichOneof("operation")
+            answer.ClearField("result")
+            answer.error.CopyFrom(to_status(Cancelled(
+                f"the {operation} was cancelled by the client's cancel before it finished"
+                + ("; its episode has ended (Verify reports INFRA_ERROR)" if operation == "step" else ""),
+                Reason.CANCELLED)))
         except SciprotoError as error:
             answer.error.CopyFrom(to_status(error))
         except Exception as error:  # a bug: answer it, keep the stream
             operation = f"Session.{request.WhichOneof('operation')}"
             log.exception("unexpected error in %s", operation)
             answer.error.CopyFrom(to_status(_internal_error(error, operation)))
-        self._answers.put_nowait(answer)
+        await self._answers.put(answer)
 
     async def _apply(self, request: env_pb2.SessionRequest, answer: env_pb2.SessionResponse) -> None:
         service, context = self.service, self.context
@@ -113,7 +189,7 @@ class SessionStream:
             answer.close.CopyFrom(await service.close(request.close, context=context))
             self._opened.discard(request.close.episode_id)
         else:
-            raise InvalidArgument("SessionRequest carries no operation: set reset, step, verify or close",
+            raise InvalidArgument("SessionRequest carries no operation: set reset, step, verify, close or cancel",
                                   Reason.INVALID_REQUEST)
 
     async def _beat(self) -> None:
@@ -123,7 +199,7 @@ class SessionStream:
             now = time.monotonic()
             for running in list(self._running.values()):
                 elapsed = now - running.started
-                if elapsed >= self.heartbeat_interval_s:
+                if elapsed >= self.heartbeat_interval_s and not self._answers.full():
                     self._answers.put_nowait(env_pb2.SessionResponse(
                         request_id=running.request_id, episode_id=running.episode_id,
                         heartbeat=env_pb2.SessionHeartbeat(elapsed_seconds=elapsed)))
@@ -132,6 +208,7 @@ class SessionStream:
 def _request_id(request: env_pb2.SessionRequest) -> str:
     operation = request.WhichOneof("operation")
     return getattr(request, operation).request_id if operation else ""
+
 
 
 def _episode_id(request: env_pb2.SessionRequest) -> str:

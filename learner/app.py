@@ -1,5 +1,6 @@
-"""`sciproto serve learner`: build the model the policy servers serve, resume from the run
-directory, start LearnerService, serve until SIGTERM/SIGINT (then save a final checkpoint)."""
+"""`sciproto serve learner`: build the model the policy servers serve, learn the dtype they serve
+it in, resume from the run directory, start LearnerService, serve until SIGTERM/SIGINT (then save
+a final checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import yaml
 
+from clients.policy_client import PolicyClient
 from learner.metrics import MetricsLogger
 from learner.server_config import LearnerServerConfig
 from learner.service import LearnerServicer
 from learner.trainer import GRPOTrainer
 from learner.weight_push import build_weight_pusher
+from policy_server.weights_stream import PROTO_TO_DTYPE
 from sciproto.auth import Authenticator
-from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
@@ -29,13 +31,7 @@ SECTION = "learner"  # in a config file shared by every component, the learner r
 
 def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> LearnerServerConfig:
     """A learner config file, or the `learner:` section of a file that configures several components."""
-    section = None
-    if config is not None:
-        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
-        section = (
-            SECTION if isinstance(loaded, dict) and isinstance(loaded.get(SECTION), dict) else None
-        )
-    return load_config(LearnerServerConfig, config, overrides, section=section)
+    return load_component_config(LearnerServerConfig, config, overrides, SECTION)
 
 
 def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
@@ -50,6 +46,28 @@ def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
     return trainer, loaded.name
 
 
+async def resolve_push_dtype(config: LearnerServerConfig) -> torch.dtype:
+    """The dtype the weight pushes carry: `push_dtype`, or for "auto" the dtype every policy server
+    reports in Describe (fp32 without policy servers). The trainer's weights stay fp32 either way."""
+    if config.push_dtype != "auto":
+        return getattr(torch, config.push_dtype)
+    if not config.policy_targets:
+        return torch.float32
+    clients = [PolicyClient(config.policy_access.channel(t)) for t in config.policy_targets]
+    try:
+        described = await asyncio.gather(*(c.describe(timeout_s=config.push_timeout_s) for c in clients))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+    served = {target: PROTO_TO_DTYPE.get(d.dtype) for target, d in zip(config.policy_targets, described)}
+    if None in served.values() or len(set(served.values())) != 1:
+        listed = ", ".join(f"{t}: {d or 'not reported'}" for t, d in served.items())
+        raise ConfigError(
+            f"push_dtype auto needs every policy server to report one and the same dtype ({listed}); "
+            "serve one dtype everywhere or set learner.push_dtype"
+        )
+    return getattr(torch, next(iter(served.values())))
+
+
 async def serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
     setup_tracing(config.tracing, "sciproto-learner")
     try:
@@ -60,6 +78,7 @@ async def serve(config: LearnerServerConfig, authenticator: Authenticator | None
 
 async def _serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
     trainer, model_name = build_trainer(config)
+    trainer.push_dtype = await resolve_push_dtype(config)
     pusher = build_weight_pusher(config) if config.policy_targets else None
     metrics = MetricsLogger(config.run_dir, config.metrics)
     servicer = LearnerServicer(config, trainer, pusher, metrics, model_name)
@@ -71,12 +90,14 @@ async def _serve(config: LearnerServerConfig, authenticator: Authenticator | Non
         auth=authenticator,
     )
     log.info(
-        "training %s (step %d, version %d) on %s:%d; pushing to %s",
+        "training %s (step %d, version %d, %s compute over fp32 weights) on %s:%d; pushing %s to %s",
         model_name,
         trainer.step,
         trainer.policy_version,
+        config.grpo.precision,
         config.server.host,
         running.port,
+        str(trainer.push_dtype).removeprefix("torch."),
         config.policy_targets or "no policy server",
     )
     await serve_until_signalled(running, on_ready=lambda port: announce_port("learner", port))
@@ -89,4 +110,8 @@ def main(config: str | None, overrides: list[str]) -> None:
     except ConfigError as error:
         print(f"sciproto serve learner: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    asyncio.run(serve(settings, authenticator))
+    try:
+        asyncio.run(serve(settings, authenticator))
+    except ConfigError as error:  # found once the policy servers answered (push_dtype auto)
+        print(f"sciproto serve learner: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -26,6 +26,12 @@ class GRPOConfig(BaseModel):
     # tokens above the cap dropped ("mask"), or ignored ("off").
     is_cap: float = Field(default=2.0, gt=0)
     is_correction: Literal["truncate", "mask", "off"] = "truncate"
+    # Optimizer steps per batch (PPO/DAPO mini-batches): pi_old is computed once for the whole
+    # batch before the first step, then the batch is split in order into this many parts of about
+    # equal trained tokens, one AdamW step each; rho = pi_theta / pi_old is 1 only in the first,
+    # and the clip bounds the later ones. The policy version still grows by one per batch (one
+    # push). 1: a single step, where the clip never fires.
+    mini_batches: int = Field(default=1, ge=1)
     # Groups whose oldest trained token is more than this many versions old are dropped.
     max_staleness: int = Field(default=1, ge=0)
     # A prefix shared by every sequence of a micro-batch (the group's prompt) runs once when it
@@ -37,6 +43,10 @@ class GRPOConfig(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0)
     # Reference KL penalty (k3 estimator); 0 keeps no reference model.
     kl_coef: float = Field(default=0.0, ge=0)
+    # DAPO's overlong filtering: a sample with a policy turn cut by its token limit (finish reason
+    # LENGTH) trains no token; its reward still counts in its group's mean and std. Off: such
+    # samples train like any other (StepMetrics counts them either way).
+    mask_truncated: bool = False
     # Train each assistant turn as its own sequence (long multi-turn episodes); same loss value.
     per_transition: bool = False
     seed: int = 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from learner.types import RolloutGroup
 
@@ -57,16 +57,21 @@ def current_context() -> DistributedContext:
     return DistributedContext(rank=0, world_size=1)
 
 
-def shard_model(model: nn.Module, device_type: str) -> nn.Module:
+def shard_model(
+    model: nn.Module, device_type: str, mp_policy: MixedPrecisionPolicy | None = None
+) -> nn.Module:
     """FSDP2: shard every repeated block (the items of each nn.ModuleList), then the root.
 
-    Sharding blocks separately lets FSDP2 gather one block's weights at a time.
+    Sharding blocks separately lets FSDP2 gather one block's weights at a time. The shards keep
+    the model's dtype (the fp32 masters); `mp_policy` sets the dtype of the gathered copies the
+    forward computes with and of the gradient reduction (learner/precision.py).
     """
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = mp_policy or MixedPrecisionPolicy()
     for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
         for block in module_list:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -2,9 +2,10 @@
 
 Each converted linear casts its input, weight and output gradient to float8_e4m3fn with one
 scale per row (power-of-two scales), x_fp8 = cast(x * s), s = 448 / amax(|x_row|), and runs the
-matmul in FP8 with high-precision accumulation. Real FP8 matmuls need a CUDA GPU with compute
-capability >= 8.9 (Ada/Hopper); `emulate=True` runs the same casts and scales with high-precision
-matmuls on any device, so the numerics are tested on CPU.
+matmul in FP8 with high-precision accumulation. The layer's weight stays the fp32 master
+(learner/precision.py) and is cast to FP8 in each forward. Real FP8 matmuls need a CUDA GPU with
+compute capability >= 8.9 (Ada/Hopper); `emulate=True` runs the same casts and scales with
+high-precision matmuls on any device, so the numerics are tested on CPU.
 """
 
 from __future__ import annotations
@@ -85,18 +86,3 @@ def convert_to_fp8(model: nn.Module, *, emulate: bool = False) -> nn.Module:
 def count_fp8_linears(model: nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
-
-def apply_precision(model: nn.Module, precision: str) -> nn.Module:
-    """fp32: as is; bf16: bf16 weights; fp8: bf16 weights + FP8 linears (CUDA >= 8.9 only);
-    fp8-emulated: FP8 casts and scales on any device, weights kept in their dtype."""
-    if precision == "fp32":
-        return model
-    if precision == "bf16":
-        return model.to(torch.bfloat16)
-    if precision == "fp8":
-        require_fp8_hardware()
-        # Rowwise-scaled FP8 matmuls take bf16 operands.
-        return convert_to_fp8(model.to(torch.bfloat16))
-    if precision == "fp8-emulated":
-        return convert_to_fp8(model, emulate=True)
-    raise ValueError(f"unknown precision {precision!r}: use fp32, bf16, fp8 or fp8-emulated")

@@ -3,18 +3,23 @@
 Notation (per trained token t of sample i in group g):
     r_i          reward of sample i (SCORED samples only)
     A_i          = (r_i - mean_g r) / (std_g r + adv_eps)               group-normalised advantage
-    pi_theta     the policy being trained; pi_old the policy before this step; mu the rollout policy
+    pi_theta     the policy being trained; mu the rollout policy (the policy servers' logprobs)
+    pi_old       the policy before the batch's first optimizer step (fixed for the whole batch)
     rho_t        = pi_theta(y_t) / pi_old(y_t)                           PPO ratio
     w_t          = min(pi_old(y_t) / mu(y_t), is_cap)  (detached)        truncated importance weight
     J_t          = w_t * min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)
-    loss         = -(1/N) sum_t J_t  (+ kl_coef (1/N) sum_t KL_t)        N = trained tokens in the batch
+    L_k          = -(1/N_k) sum_{t in k} J_t  (+ kl_coef (1/N_k) sum_{t in k} KL_t)
 
-N counts every trained completion token of the whole batch, so a micro-batch's loss is its share
-of the batch loss and micro-batches sum to exactly the full-batch loss and gradient.
+A batch takes K = `mini_batches` optimizer steps, step k on mini-batch k of the batch (its parts in
+order, about N/K trained tokens each; learner/trainer.py). N_k counts every trained completion
+token of mini-batch k across all ranks: each step takes the token mean of its own part, so its size
+does not depend on K, and with K = 1, N_1 = N, the whole batch. A micro-batch's loss is its share of
+L_k: the micro-batches of a mini-batch sum to exactly its loss and gradient.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,11 +50,15 @@ class BatchPlan:
     """What one training step trains on, and what it left out and why."""
 
     sequences: list[TrainSequence]
-    num_tokens: int  # N: trained completion tokens of the whole batch (the loss normaliser)
+    num_tokens: int  # N: trained completion tokens of the whole batch
     groups: int
     groups_skipped_all_equal: int
     infra_error_samples: int
     unscored_samples: int
+    # SCORED samples with a policy turn cut by its token limit, and those of them left untrained
+    # (GRPOConfig.mask_truncated; only groups with signal train anything).
+    length_cut_samples: int = 0
+    truncated_masked_samples: int = 0
     scored_rewards: list[float] = field(default_factory=list)
 
 
@@ -117,20 +126,30 @@ def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
 
 
 def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPlan:
-    """Advantages per group over its SCORED samples; groups without signal are counted and skipped."""
+    """Advantages per group over its SCORED samples; groups without signal are counted and skipped.
+
+    With `mask_truncated`, a sample cut by its token limit keeps its place in the group's
+    statistics (A_i of the others is unchanged) but contributes no token to the loss or to N.
+    """
     sequences: list[TrainSequence] = []
-    skipped = infra = unscored = 0
+    skipped = infra = unscored = length_cut = masked = 0
     rewards: list[float] = []
     for group in groups:
         infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
         unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
         samples = scored_samples(group)
         rewards.extend(s.reward for s in samples)
+        length_cut += sum(s.cut_by_length for s in samples)
         advantages = group_advantages([s.reward for s in samples], config.adv_eps)
         if advantages is None:
             skipped += 1
             continue
         for sample, advantage in zip(samples, advantages):
+            if config.mask_truncated and sample.cut_by_length:
+                masked += 1
+                continue
+            if sample.num_trained_tokens == 0:
+                continue  # nothing to train: it would only cost a forward pass
             parts = split_into_transitions(sample) if config.per_transition else [sample]
             sequences.extend(_to_sequence(part, advantage) for part in parts)
     num_tokens = int(sum(seq.loss_mask.sum().item() for seq in sequences))
@@ -141,8 +160,25 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
         groups_skipped_all_equal=skipped,
         infra_error_samples=infra,
         unscored_samples=unscored,
+        length_cut_samples=length_cut,
+        truncated_masked_samples=masked,
         scored_rewards=rewards,
     )
+
+
+def split_mini_batches(sequences: Sequence[TrainSequence], count: int) -> list[list[TrainSequence]]:
+    """The batch in order as `count` parts of about N / count trained tokens each (at most one part
+    per sequence, none empty): part k ends after the sequence where the running token count
+    reaches k N / count. In order, a group's samples stay together wherever a cut allows."""
+    count = min(count, len(sequences))
+    cumulative = list(itertools.accumulate(int(s.loss_mask.sum()) for s in sequences))
+    total = cumulative[-1] if cumulative else 0
+    bounds = [0]
+    for k in range(1, count):
+        end = 1 + next(i for i, c in enumerate(cumulative) if c >= k * total / count)
+        bounds.append(min(max(end, bounds[-1] + 1), len(sequences) - (count - k)))
+    bounds.append(len(sequences))
+    return [list(sequences[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -252,9 +288,10 @@ def grpo_loss(
     config: GRPOConfig,
     ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the batch loss, and summed token statistics for the metrics.
+    """This micro-batch's share of the mini-batch loss L_k, and summed token statistics for the
+    metrics.
 
-    All per-token tensors are [B, T-1]; advantages is [B]; num_tokens is N of the whole batch.
+    All per-token tensors are [B, T-1]; advantages is [B]; num_tokens is N_k of the mini-batch.
     Returns (loss, sums) where sums has STAT_NAMES plus "is_weight_max" (a max, not a sum).
     """
     if num_tokens <= 0:
@@ -262,7 +299,8 @@ def grpo_loss(
     mask = loss_mask
     adv = advantages.unsqueeze(-1)  # A_i broadcast over the tokens of sample i
 
-    # rho = pi_theta / pi_old; with pi_old = pi_theta.detach() it is 1 but carries the gradient.
+    # rho = pi_theta / pi_old; in the batch's first step pi_old = pi_theta.detach(): rho is 1 but
+    # carries the gradient.
     rho = torch.exp(logprobs - old_logprobs)
     rho_clipped = torch.clamp(rho, 1.0 - config.eps_low, 1.0 + config.eps_high)
     surrogate = torch.minimum(rho * adv, rho_clipped * adv)

@@ -83,6 +83,11 @@ class LearnerServerConfig(BaseModel):
     push_timeout_s: float = Field(
         300.0, gt=0, description="Longest a weight push to one server may take"
     )
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the pushed weights (the trainer keeps fp32 masters): auto asks each "
+        "policy server (Describe) which dtype it serves; they must agree",
+    )
     reconcile_interval_s: float = Field(
         5.0,
         gt=0,
@@ -99,15 +104,24 @@ class LearnerServerConfig(BaseModel):
         ),
     )
     faults: FaultInjection = Field(default_factory=FaultInjection)
-    push_transport: Literal["grpc", "nccl"] = Field(
+    push_transport: Literal["grpc", "nccl", "gloo"] = Field(
         "grpc",
-        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync)",
+        description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync); "
+        "gloo: the same over a CPU gloo group (learner.collective_push)",
     )
     nccl: dict[str, Any] = Field(
         default_factory=dict, description="Options of the NCCL weight transfer"
     )
     run_dir: Path = Field(
         Path("runs/learner"), description="Checkpoints and metrics go here; resumed from"
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Train no further than this optimizer step (groups still get receipts); `sciproto"
+            " train` sets it from budget.max_steps, so a step in flight at the budget is not extra"
+        ),
     )
     checkpoint_every: int = Field(
         0,

@@ -27,9 +27,9 @@ push (a restarted server serves version 0; a push may have failed). push_every >
 is refused by the config.
 
 A stream the client half-closes ends once no further step can come from what is buffered (no
-step running and fewer than batch_groups groups waiting); until then it still carries step
-results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at shutdown) hold the
-trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
+step running and fewer than batch_groups groups waiting, or max_steps reached); until then it
+still carries step results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at
+shutdown) hold the trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, 
 from learner.metrics import MetricsLogger
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepMetrics
-from learner.types import RewardStatus, RolloutGroup, TrainSample
+from learner.types import FinishReason, RewardStatus, RolloutGroup, TrainSample
 from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
-from sciproto.pb import common_pb2, learner_pb2
+from sciproto.pb import common_pb2, learner_pb2, policy_pb2
 from sciproto.server import server_info
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,13 @@ _STATUS_FROM_PB = {
     common_pb2.REWARD_STATUS_UNSCORED: RewardStatus.UNSCORED,
     common_pb2.REWARD_STATUS_UNSPECIFIED: RewardStatus.UNSCORED,  # the contract: read as UNSCORED
     common_pb2.REWARD_STATUS_INFRA_ERROR: RewardStatus.INFRA_ERROR,
+}
+
+_FINISH_FROM_PB = {
+    policy_pb2.FINISH_REASON_UNSPECIFIED: FinishReason.UNSPECIFIED,
+    policy_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    policy_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    policy_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
 }
 
 
@@ -109,6 +116,8 @@ def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int) -> TrainSample
             reward=rollout.reward.value,
             reward_status=_reward_status(rollout),
             sample_index=rollout.sample_index,
+            turn_finish_reasons=_finish_reasons(rollout),
+            step_rewards=list(rollout.step_rewards),
         )
     except ValidationError as error:
         reasons = "; ".join(e["msg"] for e in error.errors())
@@ -123,6 +132,18 @@ def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:
             "RewardStatus; use REWARD_STATUS_SCORED, _UNSCORED or _INFRA_ERROR"
         )
     return status
+
+
+def _finish_reasons(rollout: learner_pb2.Rollout) -> list[FinishReason]:
+    reasons = []
+    for turn, number in enumerate(rollout.turn_finish_reasons):
+        if number not in _FINISH_FROM_PB:  # a reason from a newer contract: it may mean a cut
+            raise InvalidGroup(
+                f"sample {rollout.sample_index}: turn_finish_reasons[{turn}] = {number} is not a "
+                "known FinishReason; use FINISH_REASON_STOP, _LENGTH, _ABORT or _UNSPECIFIED"
+            )
+        reasons.append(_FINISH_FROM_PB[number])
+    return reasons
 
 
 def group_from_pb(group: learner_pb2.RolloutGroup, vocab_size: int) -> RolloutGroup:
@@ -280,7 +301,7 @@ class LearnerServicer:
 
     async def _optimizer_loop(self) -> None:
         config = self.config
-        while True:
+        while not self._reached_max_steps():
             waited_from = time.monotonic()
             try:
                 groups = await self.buffer.take(
@@ -311,6 +332,7 @@ class LearnerServicer:
                 self._step_running = False
                 async with self._progress:
                     self._progress.notify_all()
+        log.info("reached max_steps %d: no further optimizer steps", config.max_steps)
 
     async def _step(self, groups: list[RolloutGroup], wait_s: float) -> None:
         config = self.config
@@ -625,8 +647,12 @@ class LearnerServicer:
         await asyncio.wait({reader})
         async with self._progress:
             await self._progress.wait_for(
-                lambda: not self._step_running and len(self.buffer) < self.config.batch_groups
+                lambda: not self._step_running
+                and (len(self.buffer) < self.config.batch_groups or self._reached_max_steps())
             )
+
+    def _reached_max_steps(self) -> bool:
+        return self.config.max_steps is not None and self.trainer.step >= self.config.max_steps
 
     async def _read_groups(
         self,

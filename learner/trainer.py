@@ -1,7 +1,8 @@
-"""One GRPO optimizer step per batch of rollout groups, read top to bottom in `train_step`."""
+"""The GRPO update of one batch of rollout groups, read top to bottom in `train_step`."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -12,7 +13,6 @@ from torch import nn
 
 from learner.config import GRPOConfig
 from learner.distributed import all_reduce, current_context, full_state_dict, shard_model
-from learner.fp8 import apply_precision
 from learner.grpo import (
     STAT_NAMES,
     MicroBatch,
@@ -21,7 +21,9 @@ from learner.grpo import (
     pad_right,
     prepare_batch,
     split_micro_batches,
+    split_mini_batches,
 )
+from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.types import RolloutGroup
 
@@ -29,7 +31,8 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
 
 
 class StepMetrics(BaseModel):
-    """What one `train_step` did. Token metrics are means over the batch's trained tokens."""
+    """What one `train_step` did (one batch, `optimizer_steps` steps, one policy version). Token
+    metrics are means over the batch's trained tokens."""
 
     step: int
     policy_version: int
@@ -46,13 +49,21 @@ class StepMetrics(BaseModel):
     is_frac_truncated: float = 0.0
     # mean exp|log pi_theta - log mu|: 1.0 when trainer and rollout policies agree exactly.
     mismatch: float = 0.0
+    # Mean over the batch's optimizer steps, before clipping.
     grad_norm: float = 0.0
+    # Optimizer steps on this batch (GRPOConfig.mini_batches, fewer when it has fewer sequences).
+    optimizer_steps: int = 0
     groups: int = 0
     groups_skipped_all_equal: int = 0
     frac_all_equal_groups: float = 0.0
     infra_error_samples: int = 0
     unscored_samples: int = 0
+    # SCORED samples with a policy turn cut by its token limit (finish reason LENGTH), and those
+    # of them trained on no token (GRPOConfig.mask_truncated, in groups with signal).
+    length_cut_samples: int = 0
+    truncated_masked_samples: int = 0
     sequences: int = 0
+    # Forward/backward passes of the optimizer steps (the no-grad pi_old pass not counted).
     micro_batches: int = 0
     tokens: int = 0
     reward_mean: float = 0.0
@@ -79,7 +90,9 @@ class GRPOTrainer:
 
     `model` is a causal LM called as model(input_ids=, attention_mask=) returning logits (or an
     object with .logits), already on its training device. Under torchrun (world size > 1, process
-    group initialised) the model is sharded with FSDP2 here.
+    group initialised) the model is sharded with FSDP2 here. Its weights and the optimizer state
+    are fp32 in every precision (learner/precision.py); `push_dtype` is the dtype the policy
+    servers hold, which `state_dict_for_push` converts to (default: fp32).
     """
 
     def __init__(
@@ -89,8 +102,10 @@ class GRPOTrainer:
         *,
         reference_model: nn.Module | None = None,
         pad_token_id: int = 0,
+        push_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
+        self.push_dtype = push_dtype or torch.float32
         self.pad_token_id = pad_token_id
         self.context = current_context()
         torch.manual_seed(config.seed)
@@ -113,13 +128,32 @@ class GRPOTrainer:
         self.policy_version = 0
 
     def _prepare(self, model: nn.Module) -> nn.Module:
-        model = apply_precision(model, self.config.precision)
+        model = prepare_model(model, self.config.precision)
         if self.context.is_distributed:
-            model = shard_model(model, self.device.type)
+            model = shard_model(model, self.device.type, fsdp_policy(self.config.precision))
         return model
 
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """The precision of a forward pass (bf16 autocast in one process; see learner/precision.py)."""
+        return autocast(self.config.precision, self.device.type, sharded=self.context.is_distributed)
+
     def train_step(self, groups: list[RolloutGroup]) -> StepMetrics:
-        """One optimizer step on these groups; every rank must pass the same groups."""
+        """One batch of groups: pi_old once, then K = `mini_batches` optimizer steps, one new policy
+        version. Every rank must pass the same groups.
+
+            log pi_old(y_t)   every trained token, by the weights before the batch's first step
+            for mini-batch k = 1..K  (the batch in order, ~N/K trained tokens each; N_k of them):
+                L_k   = -(1/N_k) sum_{t in k} J_t  (+ kl_coef (1/N_k) sum_{t in k} KL_t)
+                        J_t = w_t min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
+                        rho_t = pi_theta(y_t) / pi_old(y_t)          (learner/grpo.py)
+                theta <- AdamW(theta, clip_norm(grad L_k, max_grad_norm))
+            policy_version += 1, step += 1          once per batch: one push carries all K steps
+
+        rho = 1 in mini-batch 1 (pi_old is the policy being trained); from mini-batch 2 on, theta
+        has moved and the clip bounds the step. Reported: loss = sum_k (N_k / N) L_k (each token's
+        loss at its own step), token statistics as means over all N tokens, grad_norm the mean of
+        the K norms before clipping, optimizer_steps = K.
+        """
         config = self.config
         plan = prepare_batch(groups, config)
         base = {
@@ -128,6 +162,8 @@ class GRPOTrainer:
             "frac_all_equal_groups": plan.groups_skipped_all_equal / max(plan.groups, 1),
             "infra_error_samples": plan.infra_error_samples,
             "unscored_samples": plan.unscored_samples,
+            "length_cut_samples": plan.length_cut_samples,
+            "truncated_masked_samples": plan.truncated_masked_samples,
             "sequences": len(plan.sequences),
             "tokens": plan.num_tokens,
             **_reward_stats(plan.scored_rewards),
@@ -137,47 +173,48 @@ class GRPOTrainer:
                 step=self.step, policy_version=self.policy_version, trained=False, **base
             )
 
-        # Data parallel: each rank takes every world_size-th sequence. All ranks must run the same
-        # number of forward/backward passes (FSDP2 collectives), so short ranks pad with empty ones.
-        local = plan.sequences[self.context.rank :: self.context.world_size]
-        micro_batches = split_micro_batches(local, config.micro_batch_tokens, config.shared_prefix_min_tokens)
-        count = all_reduce(torch.tensor(len(micro_batches)), dist.ReduceOp.MAX)
-        micro_batches += [[self._empty_sequence()]] * (int(count) - len(micro_batches))
+        parts = split_mini_batches(plan.sequences, config.mini_batches)
+        micro_batches = [self._micro_batches(part) for part in parts]
+        # pi_old before any step. Mini-batch 1 trains on exactly these weights, so its own forward,
+        # detached, is its pi_old; the later mini-batches need this no-grad pass.
+        old_logprobs: list[list[torch.Tensor] | None] = [None]
+        old_logprobs += [self._logprobs_no_grad(self.model, micro) for micro in micro_batches[1:]]
 
-        self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
         loss_sum = torch.zeros((), dtype=torch.float64)
         is_weight_max = torch.zeros((), dtype=torch.float64)
-        for sequences in micro_batches:
-            batch = pad_right(sequences, self.pad_token_id).to(self.device)
-            shared = self._shared_prefix(batch)
-            logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
-            # One optimizer step per batch: pi_old is the current policy, so rho = 1 at this step
-            # while the gradient still flows through pi_theta.
-            old_logprobs = logprobs.detach()
-            ref_logprobs = self._reference_logprobs(batch, shared)
-            loss, stats = grpo_loss(
-                logprobs,
-                old_logprobs,
-                batch.rollout_logprobs,
-                batch.advantages.to(self.device),
-                batch.loss_mask,
-                plan.num_tokens,
-                config,
-                ref_logprobs,
-            )
-            # FSDP2 averages gradients over ranks; the loss is already a share of the global sum,
-            # so scale by world size to make that average the sum.
-            (loss * self.context.world_size).backward()
-            stats["entropy"] = (entropy * batch.loss_mask).sum()
-            sums += torch.stack([stats[name].double().cpu() for name in STAT_NAMES])
-            loss_sum += loss.detach().double().cpu()
-            is_weight_max = torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu())
-
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        grad_norms: list[float] = []
+        for part, micro, part_old in zip(parts, micro_batches, old_logprobs, strict=True):
+            part_tokens = sum(int(seq.loss_mask.sum()) for seq in part)  # N_k, all ranks together
+            self.optimizer.zero_grad(set_to_none=True)
+            for index, (batch, shared) in enumerate(micro):
+                with self.compute():
+                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
+                old = logprobs.detach() if part_old is None else part_old[index]
+                ref_logprobs = self._reference_logprobs(batch, shared)
+                # This micro-batch's share of L_k: -(1/N_k) sum_t J_t over its tokens.
+                loss, stats = grpo_loss(
+                    logprobs,
+                    old,
+                    batch.rollout_logprobs,
+                    batch.advantages,
+                    batch.loss_mask,
+                    part_tokens,
+                    config,
+                    ref_logprobs,
+                )
+                # FSDP2 averages gradients over ranks; the loss is already a share of the global
+                # sum, so scale by world size to make that average the sum.
+                (loss * self.context.world_size).backward()
+                stats["entropy"] = (entropy * batch.loss_mask).sum()
+                sums += torch.stack([stats[name].double().cpu() for name in STAT_NAMES])
+                loss_sum += loss.detach().double().cpu() * part_tokens / plan.num_tokens
+                is_weight_max = torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu())
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
+            grad_norms.append(float(grad_norm))
+            self.optimizer.step()
         self.step += 1
         self.policy_version += 1
 
@@ -199,10 +236,29 @@ class GRPOTrainer:
             is_weight_max=float(is_weight_max),
             is_frac_truncated=totals["is_truncated"] / tokens,
             mismatch=totals["mismatch"] / tokens,
-            grad_norm=float(grad_norm),
-            micro_batches=int(count),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            optimizer_steps=len(parts),
+            micro_batches=sum(len(micro) for micro in micro_batches),
             **base,
         )
+
+    def _micro_batches(self, part: list[TrainSequence]) -> list[tuple[MicroBatch, int]]:
+        """This rank's micro-batches of a mini-batch, on the device, each with its shared prefix.
+
+        Data parallel: each rank takes every world_size-th sequence. All ranks must run the same
+        number of forward/backward passes (FSDP2 collectives), so short ranks pad with empty ones.
+        """
+        config = self.config
+        local = part[self.context.rank :: self.context.world_size]
+        packed = split_micro_batches(local, config.micro_batch_tokens, config.shared_prefix_min_tokens)
+        count = int(all_reduce(torch.tensor(len(packed)), dist.ReduceOp.MAX))
+        packed += [[self._empty_sequence()]] * (count - len(packed))
+        batches = [pad_right(sequences, self.pad_token_id).to(self.device) for sequences in packed]
+        return [(batch, self._shared_prefix(batch)) for batch in batches]
+
+    def _logprobs_no_grad(self, model: nn.Module, micro: list[tuple[MicroBatch, int]]) -> list[torch.Tensor]:
+        with torch.no_grad(), self.compute():
+            return [sequence_logprobs_and_entropy(model, batch, shared)[0] for batch, shared in micro]
 
     def _empty_sequence(self) -> TrainSequence:
         """Two pad tokens with nothing trained: a forward/backward that adds zero gradient."""
@@ -224,13 +280,24 @@ class GRPOTrainer:
     def _reference_logprobs(self, batch: MicroBatch, shared: int) -> torch.Tensor | None:
         if self.reference_model is None:
             return None
-        with torch.no_grad():
-            logprobs, _ = sequence_logprobs_and_entropy(self.reference_model, batch, shared)
-        return logprobs
+        return self._logprobs_no_grad(self.reference_model, [(batch, shared)])[0]
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """Full weights on CPU, named as in the model's state dict (empty on ranks other than 0).
+        """Full weights on CPU in `push_dtype`, named as in the model's state dict (empty on ranks
+        other than 0). Floating tensors are converted from the fp32 masters (a copy; the masters
+        are untouched); entries that share memory (tied embeddings) still share it afterwards.
 
         Collective under FSDP2: every rank must call it.
         """
-        return full_state_dict(self.model)
+        weights = full_state_dict(self.model)
+        converted: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        result = {}
+        for name, tensor in weights.items():
+            if not tensor.is_floating_point() or tensor.dtype == self.push_dtype:
+                result[name] = tensor
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key not in converted:
+                converted[key] = tensor.to(self.push_dtype)
+            result[name] = converted[key]
+        return result

@@ -18,6 +18,15 @@ class RewardStatus(str, Enum):
     INFRA_ERROR = "INFRA_ERROR"
 
 
+class FinishReason(str, Enum):
+    """Why a policy turn ended (the policy's FinishReason)."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    STOP = "STOP"  # an end-of-turn token or a stop string
+    LENGTH = "LENGTH"  # cut by its token limit: max_tokens, the trajectory's budget or the context
+    ABORT = "ABORT"
+
+
 class TrainSample(BaseModel):
     """One sampled completion: the prompt and every turn as one token sequence.
 
@@ -34,6 +43,11 @@ class TrainSample(BaseModel):
     reward: float
     reward_status: RewardStatus = RewardStatus.SCORED
     sample_index: int = 0
+    # Why each policy turn ended, in turn order; empty when the sender did not say.
+    turn_finish_reasons: list[FinishReason] = []
+    # The environment's reward of each step, in order (`reward` is the trajectory's grade); empty
+    # when the sender did not say.
+    step_rewards: list[float] = []
 
     @model_validator(mode="after")
     def _check_alignment(self) -> TrainSample:
@@ -61,7 +75,14 @@ class TrainSample(BaseModel):
         if self.reward_status is RewardStatus.SCORED and not math.isfinite(self.reward):
             raise ValueError("TrainSample.reward must be finite for a SCORED sample; "
                              "mark a sample that could not be scored UNSCORED or INFRA_ERROR")
+        if not all(math.isfinite(r) for r in self.step_rewards):
+            raise ValueError("TrainSample.step_rewards must all be finite (no NaN or infinity)")
         return self
+
+    @property
+    def cut_by_length(self) -> bool:
+        """A policy turn of this sample was cut by its token limit (DAPO's "overlong" sample)."""
+        return FinishReason.LENGTH in self.turn_finish_reasons
 
     @property
     def num_trained_tokens(self) -> int:

@@ -8,6 +8,8 @@ Two transports share one interface, `WeightPusher`:
 - "nccl" (GPU with vLLM): `learner.vllm_sync` provides `build_weight_pusher(config)` returning a
   `WeightPusher` whose tensors travel over NCCL while UpdateWeights carries only the header. It
   is imported only when chosen.
+- "gloo" (any machine): the same header-only protocol with the tensors broadcast over a
+  torch.distributed gloo group (`learner.collective_push`), which transformers-backend servers join.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
     """The pusher of `config.push_transport` for `config.policy_targets`."""
     if config.push_transport == "grpc":
         return GrpcWeightPusher(config.policy_targets, config.push_timeout_s, config.policy_access)
+    if config.push_transport == "gloo":
+        from learner.collective_push import build_gloo_pusher
+
+        return build_gloo_pusher(config.policy_targets, config.nccl, config.push_timeout_s, config.policy_access)
     try:
         module = importlib.import_module("learner.vllm_sync")
     except ImportError as error:

@@ -10,18 +10,19 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import yaml
 
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, PromptTokenizer, register
 from sciproto.auth import Authenticator
-from sciproto.config import ConfigError, load_config, resolve_path
+from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import POLICY_SERVICE
 from sciproto.server import Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("policy_server")
+
+SECTION = "policy"  # in a config file shared by every component, the policy server reads this section
 
 # Backends other than `transformers` pull in heavy optional packages: imported only when chosen.
 # Each module offers `build_backend(config: PolicyServerConfig) -> PolicyBackend` whose backend
@@ -32,11 +33,7 @@ _OPTIONAL_BACKENDS = {"vllm": "policy_server.backends.vllm_backend",
 
 def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> PolicyServerConfig:
     """A policy config file, or the `policy:` section of a file that configures several components."""
-    section = None
-    if config is not None:
-        loaded = yaml.safe_load(resolve_path(config).read_text()) or {}
-        section = "policy" if isinstance(loaded, dict) and isinstance(loaded.get("policy"), dict) else None
-    return load_config(PolicyServerConfig, config, overrides, section=section)
+    return load_component_config(PolicyServerConfig, config, overrides, SECTION)
 
 
 def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptTokenizer]:
@@ -49,7 +46,8 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
         options = config.transformers
         loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
         backend = TransformersBackend(loaded, batch_window_s=options.batch_window_s,
-                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval)
+                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval,
+                                      collective=config.weights.collective)
         tokenize = functools.partial(prompt_token_ids, loaded.tokenizer, stop_token_ids=loaded.stop_token_ids)
         return backend, tokenize
     module_name = _OPTIONAL_BACKENDS[config.backend]
@@ -70,6 +68,7 @@ async def serve(config: PolicyServerConfig, authenticator: Authenticator | None)
     try:
         running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
                                      auth=authenticator)
+        servicer.health = running.health
         info = backend.info()
         log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host,
                  running.port)

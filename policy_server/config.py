@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from policy_server.weight_group import CollectiveRendezvous
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
@@ -29,6 +30,9 @@ class WeightUpdateOptions(BaseModel):
 
     chunk_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for the next message of an update stream before it is refused"
+    )
+    collective: CollectiveRendezvous | None = Field(
+        None, description="The learner's gloo weight-transfer group (transformers backend; vLLM reads vllm.nccl)"
     )
 
 

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from policy_server import types
-from sciproto.errors import InvalidArgument, Reason
+from sciproto.errors import InvalidArgument, Reason, Unimplemented
 from sciproto.pb import common_pb2, policy_pb2
 
 _ROLES = {
@@ -34,9 +34,18 @@ def chat_message(message: common_pb2.ChatMessage, index: int) -> types.ChatMessa
     if role is None:
         raise _invalid(f"chat.messages[{index}].role is unset; set it to ROLE_SYSTEM, ROLE_USER, "
                        "ROLE_ASSISTANT or ROLE_TOOL")
+    kinds = {part.WhichOneof("part") for part in message.parts} - {"text"}
+    if kinds:
+        # Every backend here serves a text-only model; a part it cannot see is refused, never dropped.
+        raise Unimplemented(
+            f"chat.messages[{index}] has {' and '.join(sorted(kinds))} parts, and this server's model takes"
+            " text only: send the message's text (ChatMessage.content) without its parts, or use a policy"
+            " server whose Describe lists the content.image capability", Reason.UNSUPPORTED,
+            metadata={"message_index": str(index), "part_kinds": ",".join(sorted(kinds))})
+    text = message.content or "\n".join(part.text for part in message.parts)
     return types.ChatMessage(
         role=role,
-        content=message.content,
+        content=text,
         tool_calls=[types.ToolCall(call.id, call.name, call.arguments) for call in message.tool_calls],
         tool_call_id=message.tool_call_id or None,
         name=message.name or None,

@@ -13,6 +13,14 @@ request's trace_context names (see `sciproto.tracing.span_for_request`).
 UpdateWeights: one update at a time; a second one that arrives while another is being received
 or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry
 hint) rather than queued, so a sender learns immediately that two writers target this server.
+A header with transport NCCL carries no data chunks: the tensors come over the learner's
+collective group and the backend's `receive_weights_nccl` takes them (vLLM: NCCL; transformers:
+the gloo group of `policy_server.weight_group`).
+
+Unavailable weights: when an update fails after the backend began changing the weights (vLLM
+loads layer by layer), the backend says so in `info().unavailable`; the server then reports
+NOT_SERVING on its health service and refuses Generate with UNAVAILABLE (reason
+WEIGHTS_UNAVAILABLE) until a later update completes.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from grpc_health.v1 import health_pb2
 from opentelemetry.trace import Span
 
 from policy_server import convert
@@ -33,6 +42,7 @@ from policy_server.weights_stream import (
     DTYPE_TO_PROTO,
     WeightsReceiver,
     check_header,
+    check_provenance,
     parse_request,
 )
 from sciproto.errors import (
@@ -40,6 +50,7 @@ from sciproto.errors import (
     FailedPrecondition,
     InvalidArgument,
     Reason,
+    Unavailable,
     Unimplemented,
 )
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
@@ -53,6 +64,7 @@ WEIGHTS_BYTES = "sciproto.weights.bytes"  # span attribute: bytes of tensor data
 
 CAPABILITIES = ["generate.chat", "generate.tokens", "generate.multi_turn_token_ids", "generate.n_samples"]
 WEIGHTS_CAPABILITY = "weights.grpc_chunks"
+NCCL_CAPABILITY = "weight_updates_nccl"  # a backend capability: takes NCCL-transport headers
 
 
 class PolicyServicer(policy_grpc.PolicyServiceServicer):
@@ -62,6 +74,10 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._config = config
         self._active: set[object] = set()  # one token per running Generate call
         self._update_lock = asyncio.Lock()
+        self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
+        # The server's health service (set by the app once the server runs): NOT_SERVING while the
+        # backend's weights are unavailable.
+        self.health: object | None = None
 
     # -- Describe ----------------------------------------------------------------------------------
 
@@ -77,7 +93,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             dtype=DTYPE_TO_PROTO.get(info.dtype, policy_pb2.TENSOR_DTYPE_UNSPECIFIED),
             quantization=info.quantization, max_context_tokens=info.max_context,
             policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
-            active_requests=len(self._active),
+            active_requests=len(self._active), weights_run_id=self._weights_run_id,
         )
 
     # -- Generate ----------------------------------------------------------------------------------
@@ -87,8 +103,12 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         model = self._backend.info().model
         with span_for_request(span_name(Operation.CHAT, model), context, request.trace_context,
                               **{Attr.GEN_AI_OPERATION_NAME: Operation.CHAT, Attr.GEN_AI_REQUEST_MODEL: model}) as span:
+            info = self._backend.info()
+            if info.unavailable:
+                raise Unavailable(f"this server cannot sample now: {info.unavailable}", Reason.WEIGHTS_UNAVAILABLE,
+                                  retry_after_s=5.0)
             backend_request = self._backend_request(request)
-            version = self._backend.info().policy_version
+            version = info.policy_version
             _record_request(span, backend_request, version)
             samples: list[SampleResult] = []
             call = object()
@@ -149,31 +169,82 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                             span: Span) -> policy_pb2.UpdateWeightsResponse:
         """Receive the data chunks of an update whose header came first, and apply it."""
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
+        digest = check_provenance(header.provenance, self._backend.info().model)
+        if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
+            return await self._apply_collective_update(header, specs, request_iterator)
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
-            if isinstance(message, memoryview):  # a data chunk, read without parsing (parse_request)
-                receiver.write(message)
-                continue
-            if message.WhichOneof("chunk") != "data":
-                raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
-                                      "must be data chunks", Reason.INVALID_REQUEST)
-            receiver.write(message.data)
+            if not isinstance(message, memoryview):  # else a data chunk, read without parsing (parse_request)
+                if message.WhichOneof("chunk") != "data":
+                    raise InvalidArgument("only the first message of UpdateWeights may be a header; the rest "
+                                          "must be data chunks", Reason.INVALID_REQUEST)
+                message = memoryview(message.data)
+            receiver.write(message)
+            if digest is not None:
+                digest.write(message)
         tensors = receiver.finish()
+        if digest is not None:
+            digest.finish()  # before the swap: a corrupted update never serves
         running_before = set(self._active)
         start = time.perf_counter()
+        await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
+        self._weights_run_id = header.provenance.run_id
+        span.set_attribute(WEIGHTS_BYTES, receiver.received)
+        return self._update_response(receiver.received, time.perf_counter() - start, running_before)
+
+    async def _apply_collective_update(self, header: policy_pb2.WeightsHeader, specs: list,
+                                       request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
+                                       ) -> policy_pb2.UpdateWeightsResponse:
+        """An NCCL-transport header: the tensors come over the collective group."""
+        info = self._backend.info()
+        receive = getattr(self._backend, "receive_weights_nccl", None)
+        if receive is None or NCCL_CAPABILITY not in info.capabilities:
+            raise Unimplemented(f"this {info.backend} server takes no collective weight transfer (configure "
+                                "weights.collective, or vllm.nccl for vLLM); send transport "
+                                "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
+        if await self._next_message(request_iterator) is not None:
+            raise InvalidArgument("an UpdateWeights stream with transport NCCL carries only the header",
+                                  Reason.INVALID_REQUEST)
+        running_before = set(self._active)
+        start = time.perf_counter()
+        await self._run_update(header.policy_version, receive(header.policy_version, specs))
+        self._weights_run_id = header.provenance.run_id
+        return self._update_response(header.total_bytes, time.perf_counter() - start, running_before)
+
+    async def _run_update(self, version: int, update: Awaitable[None]) -> None:
+        """Await the backend's update; map its failure to the status the sender must see, and keep
+        the health service in step with whether the weights are whole."""
         try:
-            await self._backend.update_weights(header.policy_version, tensors)
+            await update
         except ValueError as error:
             raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
-        apply_seconds = time.perf_counter() - start
-        span.set_attribute(WEIGHTS_BYTES, receiver.received)
+        except (TimeoutError, RuntimeError) as error:
+            unavailable = self._backend.info().unavailable
+            after = (f"this server is NOT_SERVING until a complete update: {unavailable}" if unavailable
+                     else "the old weights keep serving")
+            kind = DeadlineExceeded if isinstance(error, TimeoutError) else Unavailable
+            raise kind(f"the update to policy version {version} failed ({error or type(error).__name__}); {after}",
+                       Reason.WEIGHTS_UNAVAILABLE if unavailable else Reason.WEIGHTS_INCOMPLETE) from error
+        finally:
+            await self._report_health()
+
+    def _update_response(self, received: int, seconds: float, running_before: set[object]
+                         ) -> policy_pb2.UpdateWeightsResponse:
         return policy_pb2.UpdateWeightsResponse(
             policy_version=self._backend.info().policy_version,
-            bytes_received=receiver.received,
-            apply_seconds=apply_seconds,
+            bytes_received=received,
+            apply_seconds=seconds,
             # calls that were running before the swap and still are after it
             requests_spanning_versions=len(running_before & self._active),
         )
+
+    async def _report_health(self) -> None:
+        if self.health is None:
+            return
+        status = (health_pb2.HealthCheckResponse.NOT_SERVING if self._backend.info().unavailable
+                  else health_pb2.HealthCheckResponse.SERVING)
+        for name in ("", POLICY_SERVICE):
+            await self.health.set(name, status)  # type: ignore[attr-defined]
 
     async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
                             ) -> policy_pb2.UpdateWeightsRequest | memoryview | None:

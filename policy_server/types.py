@@ -161,6 +161,9 @@ class BackendInfo:
     policy_version: int
     capabilities: list[str]
     supports_weight_updates: bool
+    # Why the backend cannot sample now ("" when it can): an update failed after it began
+    # changing the weights, so they may be half-loaded until a complete update succeeds.
+    unavailable: str = ""
 
 
 @dataclass(frozen=True)

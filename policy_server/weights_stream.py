@@ -9,6 +9,7 @@ its wire message), `parse_request`, `check_header` and `WeightsReceiver` on the 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from policy_server.types import TensorSpec, dtype_name
-from sciproto.errors import FailedPrecondition, InvalidArgument, Reason, Unimplemented
+from sciproto.errors import FailedPrecondition, InvalidArgument, Reason
 from sciproto.pb import policy_pb2
 
 MiB = 1024 * 1024
@@ -53,6 +54,15 @@ def header_for(tensors: Mapping[str, torch.Tensor], version: int, request_id: st
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return policy_pb2.WeightsHeader(request_id=request_id, policy_version=version, tensors=specs,
                                     total_bytes=total, transport=policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS)
+
+
+def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """WeightsProvenance.sha256 of an update of `tensors`: the SHA-256 of their bytes in order
+    (pass the same mapping, after `distinct_tensors`, that is sent)."""
+    digest = hashlib.sha256()
+    for tensor in tensors.values():
+        digest.update(_byte_view(tensor))
+    return digest.digest()
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -131,10 +141,12 @@ def parse_request(wire: bytes) -> policy_pb2.UpdateWeightsRequest | memoryview:
 def check_header(header: policy_pb2.WeightsHeader, manifest: Sequence[TensorSpec],
                  current_version: int) -> list[TensorSpec]:
     """The header's tensors as specs, in stream order, after checking them against the model's
-    manifest; raises the error the client must see before any data is read."""
-    if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
-        raise Unimplemented("this server receives weights only as gRPC chunks; set transport to "
-                            "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
+    manifest; raises the error the client must see before any data is read. Whether the server
+    can take the header's transport is the service's question (its backend's capabilities)."""
+    if header.transport not in (policy_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS,
+                                policy_pb2.WEIGHT_TRANSPORT_NCCL):
+        raise InvalidArgument(f"header.transport {header.transport} is not a WeightTransport this server knows",
+                              Reason.INVALID_REQUEST)
     expected = {spec.name: spec for spec in manifest}
     specs, seen = [], set()
     for index, tensor in enumerate(header.tensors):
@@ -168,6 +180,37 @@ def check_header(header: policy_pb2.WeightsHeader, manifest: Sequence[TensorSpec
                                  f"version {current_version}; send a greater version", Reason.STALE_VERSION,
                                  metadata={"current_version": str(current_version)})
     return specs
+
+
+def check_provenance(provenance: policy_pb2.WeightsProvenance, model: str) -> DigestCheck | None:
+    """Check an update's provenance before any data is read: a model_id other than the served
+    `model`, or a checksum that is not 32 bytes, is refused. Returns what checks the data's
+    SHA-256 as it arrives, when the header gave one."""
+    if provenance.model_id and provenance.model_id != model:
+        raise _bad_weights(f"header.provenance.model_id is {provenance.model_id!r} but this server serves "
+                           f"{model!r}; send the weights of the model it serves", "")
+    if not provenance.sha256:
+        return None
+    if len(provenance.sha256) != hashlib.sha256().digest_size:
+        raise _bad_weights(f"header.provenance.sha256 has {len(provenance.sha256)} bytes; a SHA-256 has 32", "")
+    return DigestCheck(provenance.sha256)
+
+
+class DigestCheck:
+    """The SHA-256 of the update's data, compared with the header's once the stream ends."""
+
+    def __init__(self, expected: bytes) -> None:
+        self.expected = expected
+        self._hash = hashlib.sha256()
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        self._hash.update(chunk)
+
+    def finish(self) -> None:
+        if self._hash.digest() != self.expected:
+            raise _bad_weights(f"the data's SHA-256 is {self._hash.hexdigest()} but header.provenance.sha256 "
+                               f"is {self.expected.hex()}: the update was corrupted or the header is wrong; "
+                               "the old weights keep serving", "")
 
 
 def _bad_weights(message: str, tensor: str) -> InvalidArgument:

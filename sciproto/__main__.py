@@ -1,3 +1,3 @@
-from sciproto.cli import app
+from sciproto.cli import main
 
-app(prog_name="sciproto")
+main()

@@ -328,14 +328,22 @@ class Authenticator:
                 Reason.PERMISSION_DENIED,
                 metadata={"principal": principal.name, "method": method, "required_role": role.value},
             )
-        wait_s = principal.rate.try_take() if principal.rate is not None else 0.0
-        if wait_s > 0:
-            raise ResourceExhausted(
-                f"principal {principal.name!r} is over its rate of {principal.limits.requests_per_second:g} "
-                f"calls/s (burst {principal.rate.burst}); retry after the delay in RetryInfo",
-                Reason.RATE_LIMITED, metadata={"principal": principal.name}, retry_after_s=wait_s,
-            )
+        charge_request(principal)
         return principal
+
+
+def charge_request(principal: Principal | None) -> None:
+    """Count one request against `principal`'s rate (a call, or one operation of a stream);
+    RESOURCE_EXHAUSTED (RATE_LIMITED, with RetryInfo) when it is over. None: auth is off."""
+    if principal is None or principal.rate is None:
+        return
+    wait_s = principal.rate.try_take()
+    if wait_s > 0:
+        raise ResourceExhausted(
+            f"principal {principal.name!r} is over its rate of {principal.limits.requests_per_second:g} "
+            f"calls/s (burst {principal.rate.burst}); retry after the delay in RetryInfo",
+            Reason.RATE_LIMITED, metadata={"principal": principal.name}, retry_after_s=wait_s,
+        )
 
 
 _current_principal: ContextVar[Principal | None] = ContextVar("sciproto_principal", default=None)

@@ -2,19 +2,28 @@
 
 Sub-commands import their component lazily, so `sciproto --help` and
 `sciproto describe` start fast and need neither torch nor Aviary.
+
+`main()` is the entry point: a command that fails prints what is wrong and
+what to do in one or two lines and exits non-zero (`--debug`, anywhere on the
+command line, shows the traceback instead; see `sciproto.cli_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import logging
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from sciproto import cli_errors, quiet
+from sciproto.processes import watch_parent
 from sciproto.version import PROTOCOL_VERSION, __version__
 
 DEFAULT_PORTS = {"env": 50051, "policy": 50052, "learner": 50053}
@@ -38,16 +47,28 @@ AuthOption = Annotated[Path | None, typer.Option("--auth", help="YAML file mappi
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet.expected_startup_noise()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run `sciproto ARGV` (default: the process's arguments) and exit with its status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    watch_parent()  # a server started by `sciproto train` stops when train is gone
+    words = list(itertools.takewhile(lambda a: not a.startswith("-"), args))[:2]
+    raise SystemExit(cli_errors.run(lambda: app(args=args, prog_name="sciproto"),
+                                    command=" ".join(["sciproto", *words]), debug=debug))
 
 
 def _server_overrides(component: str, host: str | None, port: int | None, auth: Path | None,
                       extra: list[str] | None) -> list[str]:
-    overrides = [f"server.port={port if port is not None else DEFAULT_PORTS[component]}"]
-    if host is not None:
-        overrides.append(f"server.host={host}")
-    if auth is not None:
-        overrides.append(f"auth.file={auth}")
-    return overrides + list(extra or [])
+    # Precedence: an option (--port, --host, --auth), then --set, then the file, then the
+    # default port (`?=`: set only when nothing else did).
+    flags = [f"server.port={port}"] if port is not None else []
+    flags += [f"server.host={host}"] if host is not None else []
+    flags += [f"auth.file={auth}"] if auth is not None else []
+    return [f"server.port?={DEFAULT_PORTS[component]}", *(extra or []), *flags]
 
 
 def _run_component(module: str, config: str | None, overrides: list[str]) -> None:
@@ -62,6 +83,9 @@ def serve_env(
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['env']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
+    workers: Annotated[int, typer.Option(min=1, help="Server processes, one port each from --port on"
+                                                    " (0: each a free one); spread episodes over them"
+                                                    " with a replica pool")] = 1,
     verbose: bool = False,
 ) -> None:
     """Serve Aviary environments over EnvironmentService."""
@@ -69,6 +93,9 @@ def serve_env(
     overrides = _server_overrides("env", host, port, auth, set_)
     if env:
         overrides.append(f"envs=[{','.join(env)}]")
+    if workers > 1:
+        importlib.import_module("env_servers.workers").main(config, overrides, workers, verbose)
+        return
     _run_component("env_servers.app", config, overrides)
 
 
@@ -122,6 +149,53 @@ def describe(
     typer.echo(to_json(asyncio.run(run_describe(config))))
 
 
+conformance_app = typer.Typer(help="Check a server against the protocol's behaviour, over the wire.",
+                              no_args_is_help=True)
+app.add_typer(conformance_app, name="conformance")
+OnlyOption = Annotated[list[str] | None, typer.Option("--only", help="Run only this check (repeatable)")]
+
+
+def _run_conformance(kind: str, target: str, timeout: float, token: str | None, ca_cert: Path | None,
+                     as_json: bool, only: list[str] | None, env: str | None = None) -> None:
+    from sciproto.channel import ChannelConfig, TlsClientConfig
+    from sciproto.conformance import check_env, check_policy
+
+    tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
+    config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
+    run = (check_env(config, env=env, timeout_s=timeout, only=only) if kind == "env"
+           else check_policy(config, timeout_s=timeout, only=only))
+    report = asyncio.run(run)
+    typer.echo(report.to_json() if as_json else report.render())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@conformance_app.command("env")
+def conformance_env(
+    target: Annotated[str, typer.Argument(help="HOST:PORT of an EnvironmentService")],
+    env: Annotated[str | None, typer.Option("--env", help="Environment to check (default: the first hosted)")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds each check may take")] = 30.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (roles agent, grader, observer)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+    only: OnlyOption = None,
+) -> None:
+    """Run the environment-server checks; exit 1 if any fails."""
+    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env)
+
+
+@conformance_app.command("policy")
+def conformance_policy(
+    target: Annotated[str, typer.Argument(help="HOST:PORT of a PolicyService")],
+    timeout: Annotated[float, typer.Option(help="Seconds each check may take")] = 60.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (roles agent, observer; trainer for the weights check)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+    only: OnlyOption = None,
+) -> None:
+    """Run the policy-server checks; exit 1 if any fails."""
+    _run_conformance("policy", target, timeout, token, ca_cert, as_json, only)
+
+
 @app.command()
 def version() -> None:
     """Print the software and protocol versions."""
@@ -137,6 +211,8 @@ def collect(
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a group)")] = 1,
     concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
+    rollouts: Annotated[str | None, typer.Option(
+        help="full (token ids, masks, logprobs: what training needs) or summary (without them, far smaller)")] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
     verbose: bool = False,
@@ -145,19 +221,58 @@ def collect(
     _setup_logging(verbose)
     importlib.import_module("clients.collect").main(
         env=env, policy=policy, tasks=tasks, output=output, limit=limit, samples=samples,
-        concurrency=concurrency, config=config, overrides=list(set_ or []),
+        concurrency=concurrency, config=config,
+        overrides=list(set_ or []) + ([f"rollouts={rollouts}"] if rollouts else []),
     )
+
+
+@app.command("eval")
+def eval_(
+    env: Annotated[list[str], typer.Option("--env", help="Env server HOST:PORT (repeatable: replicas)")],
+    tasks: Annotated[str, typer.Option(help="ENV:SPLIT, e.g. gsm8k:test")],
+    policy: Annotated[list[str] | None, typer.Option("--policy", help="Policy server HOST:PORT (repeatable)")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(help="Checkpoint folder or run directory, served here")] = None,
+    model: Annotated[str | None, typer.Option(help="Base model of --checkpoint (default: from its run)")] = None,
+    output: Annotated[Path, typer.Option(help="JSON report; rollouts go beside it")] = Path("eval-report.json"),
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy/--no-greedy", help="Run the greedy pass (1 sample, T = 0)")] = True,
+    samples: Annotated[int, typer.Option(help="Samples per task of the sampled pass (0: none)")] = 0,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 16,
+    write_curriculum: Annotated[Path | None, typer.Option(help="Write the sampled pass's mixed tasks here")] = None,
+    min_pass_rate: Annotated[float, typer.Option(help="Curriculum keeps tasks with pass rate above this")] = 0.0,
+    max_pass_rate: Annotated[float, typer.Option(help="... and below this")] = 1.0,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    verbose: bool = False,
+    debug: Annotated[bool, typer.Option(help="Show the traceback of an error")] = False,
+) -> None:
+    """Pass rates of a policy (server or checkpoint) on a split; reward analysis and curriculum."""
+    _setup_logging(verbose)
+    module = importlib.import_module("clients.eval")
+    try:
+        module.main(env=env, policy=list(policy or []), checkpoint=checkpoint, tasks=tasks, output=output,
+                    limit=limit, greedy=greedy, samples=samples, concurrency=concurrency,
+                    write_curriculum=write_curriculum, min_pass_rate=min_pass_rate, max_pass_rate=max_pass_rate,
+                    model=model, config=config, overrides=list(set_ or []))
+    except Exception as error:
+        if debug:
+            raise
+        typer.echo(f"sciproto eval: {type(error).__name__}: {error}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
 def train(
     config: Annotated[str, typer.Option("--config", "-c", help="YAML file, or a name in configs/")] = "demo",
     set_: SetOption = None,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Start over even when the run directory holds a checkpoint (default: resume)")] = False,
     verbose: bool = False,
 ) -> None:
     """Train end to end: start env, policy and learner servers and the rollout client."""
     _setup_logging(verbose)
-    importlib.import_module("clients.train").main(config, list(set_ or []))
+    overrides = list(set_ or []) + (["run.resume=false"] if fresh else [])
+    importlib.import_module("clients.train").main(config, overrides)
 
 
 @app.command()

@@ -1,6 +1,15 @@
 """Configuration: pydantic models loaded from YAML, with `key.path=value`
 overrides from the command line (values parsed as YAML scalars, so
-`learner.lr=3e-4` is a float and `env.envs=[gsm8k,toy]` a list)."""
+`learner.grpo.lr=3e-4` is a float and `env.envs=[gsm8k,toy]` a list).
+
+Precedence: an override (`key=value`) beats the file, and the file beats a
+default override (`key?=value`, set only where neither gives the key): the CLI
+passes its default ports that way, so `server.port` in a file is honoured and
+`--port` beats both.
+
+The shipped configs (`configs/*.yaml` in the source tree) install as the
+package data `sciproto/configs/` (see setup.py), so `--config demo` works
+from an installed wheel too."""
 
 from __future__ import annotations
 
@@ -13,7 +22,9 @@ from pydantic import BaseModel, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# An installed wheel holds the shipped configs in sciproto/configs/; the source tree in configs/.
+CONFIG_DIRS = (Path(__file__).resolve().parent / "configs", Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = next((d for d in CONFIG_DIRS if d.is_dir()), CONFIG_DIRS[-1])
 
 
 class ConfigError(ValueError):
@@ -21,17 +32,21 @@ class ConfigError(ValueError):
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` inside nested dicts, creating levels as needed."""
+    """Set `a.b.c=value` inside nested dicts, creating levels as needed; `a.b.c?=value` only
+    when `a.b.c` is not set yet."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {override!r} must look like key.path=value")
-    *parents, leaf = key.strip().split(".")
+    only_default = key.endswith("?")
+    *parents, leaf = key.removesuffix("?").strip().split(".")
     node = data
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
         node = child
+    if only_default and leaf in node:
+        return
     node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
 
 
@@ -60,3 +75,18 @@ def load_config(model: type[Model], path: str | Path | None = None, overrides: S
         return model.model_validate(data)
     except ValidationError as error:
         raise ConfigError(f"invalid configuration{f' in {path}' if path else ''}:\n{error}") from error
+
+
+def load_component_config(model: type[Model], path: str | Path | None, overrides: Sequence[str],
+                          section: str) -> Model:
+    """One component's settings (`section`: env, policy or learner) from a file of its own or
+    from its section of a file that configures every component (as `sciproto train` writes).
+    Overrides may name the section or not: `env.envs=[toy]` and `envs=[toy]` are the same."""
+    use_section = None
+    if path is not None:
+        loaded = yaml.safe_load(resolve_path(path).read_text()) or {}
+        if isinstance(loaded, dict) and isinstance(loaded.get(section), dict):
+            use_section = section
+    prefix = f"{section}."
+    local = [o.removeprefix(prefix) if o.startswith(prefix) else o for o in overrides]
+    return load_config(model, path, local, section=use_section)

@@ -39,12 +39,16 @@ class Reason(enum.StrEnum):
     WEIGHTS_INCOMPLETE = "WEIGHTS_INCOMPLETE"  # stream ended before total_bytes
     STALE_VERSION = "STALE_VERSION"  # update would not move the version forward
     UPDATE_IN_PROGRESS = "UPDATE_IN_PROGRESS"  # another weight update is being received or applied
+    WEIGHTS_UNAVAILABLE = "WEIGHTS_UNAVAILABLE"  # an update failed part way; serving resumes after a complete one
     UNSUPPORTED = "UNSUPPORTED"  # the backend lacks this capability
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     DUPLICATE_REQUEST = "DUPLICATE_REQUEST"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    CANCELLED = "CANCELLED"  # a Session operation stopped by the client's cancel
+    TOO_MANY_IN_FLIGHT = "TOO_MANY_IN_FLIGHT"  # a Session stream is at its max_in_flight
+    NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA"  # client side: no server of a service answers
     INTERNAL = "INTERNAL"
 
 
@@ -90,6 +94,10 @@ class ResourceExhausted(SciprotoError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Cancelled(SciprotoError):
+    code = grpc.StatusCode.CANCELLED
+
+
 class DeadlineExceeded(SciprotoError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -117,7 +125,7 @@ class Internal(SciprotoError):
 _BY_CODE: dict[grpc.StatusCode, type[SciprotoError]] = {
     cls.code: cls
     for cls in (
-        InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded,
+        InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Cancelled, DeadlineExceeded,
         Unavailable, Unimplemented, Unauthenticated, PermissionDenied, Internal,
     )
 }

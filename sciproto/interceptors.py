@@ -19,7 +19,14 @@ log = logging.getLogger("sciproto.server")
 
 
 class AroundInterceptor(grpc.aio.ServerInterceptor):
-    """Base class: subclasses implement `around(method, context)`."""
+    """Base class: subclasses implement `around(method, context)`.
+
+    grpc.aio asks every interceptor for the handler of every call. The wrapped handler of a
+    method is made once and reused while the handler beneath stays the same object (the
+    servicer's registered handler, or the same wrapped handler of the next interceptor), so a
+    call pays for `around` alone, not for building closures around its handler."""
+
+    _wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
 
     def around(self, method: str, context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
         raise NotImplementedError
@@ -32,7 +39,14 @@ class AroundInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return wrap_handler(self.prepare(handler), handler_call_details.method, self.around)
+        method = handler_call_details.method
+        wrapped = self.__dict__.setdefault("_wrapped", {})
+        known = wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        made = wrap_handler(self.prepare(handler), method, self.around)
+        wrapped[method] = (handler, made)  # holds `handler`, so its identity stays its own
+        return made
 
     def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """Adapt the handler before it is wrapped; the identity unless a subclass says otherwise."""
@@ -176,7 +190,17 @@ class ErrorInterceptor(AroundInterceptor):
 
 
 class LoggingInterceptor(AroundInterceptor):
-    """One log line per call: method, outcome, duration."""
+    """One log line per call: method, outcome, duration, at debug level; while that level is
+    off, calls pass straight through."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if not log.isEnabledFor(logging.DEBUG):
+            return await continuation(handler_call_details)
+        return await super().intercept_service(continuation, handler_call_details)
 
     @contextlib.asynccontextmanager
     async def around(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:

@@ -6,8 +6,10 @@ calls on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,9 +153,13 @@ async def start_server(
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    _check_bindable(config.host, config.port)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as error:  # grpc's "Failed to bind to address ..."
+        raise OSError(f"cannot listen on {address} ({error}); {_PORT_HINT}") from None
     if port == 0:
-        raise OSError(f"could not bind {address}: is the port in use?")
+        raise OSError(f"cannot listen on {address}; {_PORT_HINT}")
     await server.start()
     transport = "plaintext" if credentials is None else "mutual TLS" if config.tls and config.tls.require_client_cert else "TLS"
     principals = ", ".join(p.name for p in authenticator.principals) if authenticator else None
@@ -162,6 +168,28 @@ async def start_server(
     running = RunningServer(server, port, health_servicer, services, config.grace_period_s)
     await running._set_health(health_pb2.HealthCheckResponse.SERVING)
     return running
+
+
+_PORT_HINT = "is another server using the port? Pick another with --port N, or --port 0 for any free one"
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Fail with a one-line OSError when `host:port` cannot be bound (in use, or not an address
+    of this machine), before grpc tries and logs a C++ error line of its own."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise OSError(f"cannot listen on {host}:{port}: {host!r} is not a known host name ({error.strerror})") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            hint = _PORT_HINT if error.errno == errno.EADDRINUSE else "is that an address of this machine?"
+            raise OSError(f"cannot listen on {host}:{port} ({error.strerror}); {hint}") from None
 
 
 async def serve_until_signalled(running: RunningServer, on_ready: Callable[[int], None] | None = None) -> None:

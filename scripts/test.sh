@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite: sets up .venv, a headless Chromium for the viewer test,
-# gRPC C++ for the C++ client test, then pytest. Extra arguments go to pytest
+# bubblewrap for the notebook sandbox, gRPC C++ for the C++ client test, then pytest. Extra arguments go to pytest
 # (e.g. scripts/test.sh -k env).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,6 +19,19 @@ if ! command -v chromium >/dev/null 2>&1 && can_apt_install; then
   echo "installing chromium for the viewer test"
   apt_install chromium \
     || echo "chromium could not be installed; the viewer's browser test will be skipped" >&2
+fi
+
+# The notebook environment runs agent code in a bubblewrap sandbox; without bwrap its tests skip
+# (and `sciproto serve env --env notebook` refuses to start unless told `sandbox: none`).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if can_apt_install; then
+    echo "installing bubblewrap for the notebook sandbox"
+    apt_install bubblewrap \
+      || echo "bubblewrap could not be installed; the notebook sandbox tests will be skipped" >&2
+  else
+    echo "bubblewrap is missing and cannot be installed here (needs root and apt-get);" \
+      "the notebook sandbox tests will be skipped" >&2
+  fi
 fi
 
 # The C++ client (clients/cpp) builds its gRPC stubs from proto/ with these.

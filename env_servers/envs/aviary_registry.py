@@ -2,6 +2,7 @@
 Environment.from_name), used when a name is not one of the built-ins."""
 
 import asyncio
+import importlib.util
 from collections.abc import Mapping
 
 from aviary.core import Environment, TaskDataset
@@ -14,8 +15,26 @@ DEFAULT_SPLIT = "default"
 
 
 def aviary_names() -> list[str]:
-    """Every name Aviary can build, as a dataset or as a single environment."""
-    return sorted(TASK_DATASET_REGISTRY.keys() | ENV_REGISTRY.keys())
+    """Every name Aviary can build here, as a dataset or as a single environment: registered
+    names whose package is installed (Aviary registers some, such as hotpotqa, that it cannot
+    import until their package is installed)."""
+    return sorted(name for name in TASK_DATASET_REGISTRY.keys() | ENV_REGISTRY.keys()
+                  if missing_package(name) is None)
+
+
+def missing_package(name: str) -> str | None:
+    """The PyPI package that provides Aviary environment `name`, when it is not installed."""
+    for registry in (TASK_DATASET_REGISTRY, ENV_REGISTRY):
+        if name in registry:
+            module = registry[name][0]
+            try:
+                if importlib.util.find_spec(module) is not None:
+                    return None
+            except ImportError:
+                pass
+            parts = module.split(".")  # aviary.envs.<name>.env comes from the package aviary.<name>
+            return f"aviary.{parts[2]}" if parts[:2] == ["aviary", "envs"] and len(parts) > 2 else "fhaviary"
+    return None
 
 
 class AviaryDatasetSource(EnvironmentSource):

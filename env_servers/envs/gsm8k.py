@@ -6,6 +6,7 @@ The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset
 
 import ast
 import asyncio
+import inspect
 import json
 import operator
 from collections.abc import Callable, Sequence
@@ -13,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
-from aviary.core import Environment, Message
+from aviary.core import Environment, Message, Messages, Tool
 from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
 from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from env_servers.envs.source import (
     EnvironmentSource,
     RewardComponents,
+    cached_tool,
     last_tool_argument,
     no_submission,
     require_fields,
@@ -29,8 +31,15 @@ from env_servers.envs.source import (
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 
 # Our split name -> (file in DATA_DIR, Aviary's GSM8kDatasetSplit). Aviary's "train" keeps 80% of
-# the training file; "train_full" keeps all of it, which is what a small shipped set wants.
-SPLITS = {"train": ("train.jsonl", "train_full"), "test": ("test.jsonl", "test")}
+# the training file; "train_full" keeps all of it, which is what a small shipped set wants. The
+# short splits (one-step problems, data/gsm8k/generate_short.py) are not files Aviary's dataset
+# reads (it knows only train and test): their CalculatorEnvs are built from the rows directly.
+SPLITS: dict[str, tuple[str, str | None]] = {
+    "train": ("train.jsonl", "train_full"),
+    "test": ("test.jsonl", "test"),
+    "short_train": ("short_train.jsonl", None),
+    "short_test": ("short_test.jsonl", None),
+}
 
 
 class GSM8kOptions(BaseModel):
@@ -97,8 +106,43 @@ class BoundedMathEvaluator(SafeMathEvaluator):
     }
 
 
+# A tool call whose argument is at most this long runs on the event loop, not a worker thread:
+# the calculator's worst case at this length (a chain of MAX_RESULT_BITS powers) is ~5 ms, while
+# a typical GSM8K call ("12 * 34 + 5") takes microseconds, far less than the thread hand-off.
+# Longer ones (up to MAX_EXPRESSION_CHARS, ~30 ms at worst) keep Aviary's worker thread, so no
+# single call holds up every other episode on the server for long.
+INLINE_ARGUMENT_CHARS = 256
+
+
+def _on_the_loop_when_short(method: Callable[..., object], argument: str) -> Callable[..., object]:
+    async def run(**arguments: object) -> object:
+        if len(str(arguments.get(argument, ""))) <= INLINE_ARGUMENT_CHARS:
+            return method(**arguments)
+        return await asyncio.to_thread(method, **arguments)
+
+    # exec_tool_calls reads the tool function's signature on every call; give it the answer.
+    run.__signature__ = _KEYWORDS_ONLY  # type: ignore[attr-defined]
+    return run
+
+
+_KEYWORDS_ONLY = inspect.signature(lambda **arguments: None)
+
+
 class BoundedCalculatorEnv(CalculatorEnv):
-    """CalculatorEnv whose calculator refuses expressions too long or too large to compute."""
+    """CalculatorEnv whose calculator refuses expressions too long or too large to compute.
+
+    Its reset is CalculatorEnv's (the environment is stateless: the problem is fixed), with the
+    tools' schemas built once for the class instead of once per episode (`cached_tool`), and
+    short tool calls run on the event loop (see INLINE_ARGUMENT_CHARS).
+    """
+
+    async def reset(self) -> tuple[Messages, list[Tool]]:
+        self.state = None
+        self.tools = [
+            cached_tool(self.calculator, run=_on_the_loop_when_short(self.calculator, "expr")),
+            cached_tool(self.submit_answer, run=_on_the_loop_when_short(self.submit_answer, "answer")),
+        ]
+        return [Message(content=self.problem)], self.tools
 
     def calculator(self, expr: str) -> tuple[float | str, float, bool]:
         try:
@@ -122,47 +166,68 @@ class GSM8kSource(EnvironmentSource):
 
     def __init__(self, options: GSM8kOptions) -> None:
         self.options = options
-        self._datasets: dict[str, GSM8kDataset] = {}
+        self._problems_of: dict[str, list[tuple[str, str, float]]] = {}
+        self._config = CalculatorEnvConfig()
         self._loading = asyncio.Lock()
-        for file_name, _ in SPLITS.values():
-            if not (options.data_dir / file_name).is_file():
+        for split in ("train", "test"):
+            if not (options.data_dir / SPLITS[split][0]).is_file():
                 raise FileNotFoundError(
-                    f"gsm8k data file {options.data_dir / file_name} is missing; run"
+                    f"gsm8k data file {options.data_dir / SPLITS[split][0]} is missing; run"
                     " env_servers/data/gsm8k/generate.py or point data_dir at a GSM8K folder"
                 )
 
     @cached_property
     def _rows(self) -> dict[str, list[dict[str, str]]]:
+        """Rows of every split whose file is there (a GSM8K folder may lack the short splits)."""
         return {
             split: [
                 json.loads(line)
                 for line in (self.options.data_dir / file_name).read_text().splitlines()
             ]
             for split, (file_name, _) in SPLITS.items()
+            if (self.options.data_dir / file_name).is_file()
         }
 
     @property
     def splits(self) -> dict[str, int]:
         return {split: len(rows) for split, rows in self._rows.items()}
 
-    async def _dataset(self, split: str) -> GSM8kDataset:
+    async def _problems(self, split: str) -> list[tuple[str, str, float]]:
+        """(problem_id, problem, answer) of every task of `split`, as Aviary's GSM8kDataset
+        gives them to its CalculatorEnv, read out of its DataFrame once (a row lookup per
+        episode cost more than the rest of a reset)."""
         async with self._loading:
-            if split not in self._datasets:
+            if split not in self._problems_of:
                 aviary_split = SPLITS[split][1]
-                self._datasets[split] = await asyncio.to_thread(
+                assert aviary_split is not None, f"split {split} is built from its rows"
+                dataset = await asyncio.to_thread(
                     GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
                 )
-        return self._datasets[split]
+                self._config = dataset.config
+                rows = dataset.src_df[["problem_id", "question", "answer_num"]]
+                self._problems_of[split] = [
+                    (str(pid), str(problem), float(answer))
+                    for pid, problem, answer in rows.itertuples(index=False)
+                ]
+        return self._problems_of[split]
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
-        env = (await self._dataset(split)).get_new_env_by_idx(index)
-        return BoundedCalculatorEnv(env.problem_id, env.problem, env.answer, env.config)
+        if SPLITS[split][1] is None:
+            row = self._rows[split][index]
+            return BoundedCalculatorEnv(f"{split}_{index}", row["question"],
+                                        parse_answer_number(row["answer"]), self._config)
+        problem_id, problem, answer = (await self._problems(split))[index]
+        return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
         require_fields(self.name, task, {"question", "answer"})
         return BoundedCalculatorEnv(
             problem_id=None, problem=task["question"], answer=parse_answer_number(task["answer"])
         )
+
+    def _task_content(self, split: str, index: int) -> dict[str, str]:
+        row = self._rows[split][index]
+        return {"question": row["question"], "answer": row["answer"]}
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         # The summary reaches the agent (ResetResponse.task_summary): never the answer.
@@ -176,18 +241,26 @@ class GSM8kSource(EnvironmentSource):
         Only the submission is scored: rewards earned by calculator calls are not replayed.
         """
         self.check_task(split, index)
-        env = CalculatorEnv(
-            problem_id=None,
-            problem=self._rows[split][index]["question"],
-            answer=parse_answer_number(self._rows[split][index]["answer"]),
-            config=CalculatorEnvConfig(),
-        )
-        answer = last_tool_argument(messages, "submit_answer", "answer")
-        if answer is None:
-            return no_submission(env.config.incorrect_reward)
-        correct, reward, _ = env.submit_answer(answer)
-        return reward, {"correct": float(correct), "submitted": 1.0}
+        row = self._rows[split][index]
+        return _score_submission(row["question"], parse_answer_number(row["answer"]), messages)
+
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """As `rescore`, against the inline task's question and answer."""
+        require_fields(self.name, task, {"question", "answer"})
+        return _score_submission(task["question"], parse_answer_number(task["answer"]), messages)
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"
         return no_submission(env.config.incorrect_reward)
+
+
+def _score_submission(question: str, answer: float | str, messages: Sequence[Message]) -> tuple[float, RewardComponents]:
+    """The reward CalculatorEnv.submit_answer gives the trajectory's last submission."""
+    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+    submitted = last_tool_argument(messages, "submit_answer", "answer")
+    if submitted is None:
+        return no_submission(env.config.incorrect_reward)
+    correct, reward, _ = env.submit_answer(submitted)
+    return reward, {"correct": float(correct), "submitted": 1.0}

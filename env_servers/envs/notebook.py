@@ -1,11 +1,11 @@
 """Data-analysis questions on CSV files, answered in a Jupyter notebook (in the spirit of BixBench).
 
 Built on Aviary's NBEnvironment with a local kernel (no Docker). Each episode copies its dataset
-folder into a fresh temporary directory, runs its own kernel there, and removes both on close.
+folder into a fresh temporary directory (its workspace), runs its own kernel there in a bwrap
+sandbox with limits (env_servers.sandbox; `sandbox: none` opts out), and removes both on close.
 A submit_answer tool ends the episode: reward 1 for a correct answer, 0 otherwise.
 """
 
-import asyncio
 import json
 import math
 import shutil
@@ -13,14 +13,12 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
+import nbformat
 from aviary.core import Environment, Message, Messages, Tool
 from aviary.envs.notebook import NBEnvironment, NBEnvironmentState
-from aviary.envs.notebook.utils import nbformat_run_notebook
-from jupyter_client.asynchronous.client import AsyncKernelClient
-from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
-from jupyter_client.manager import AsyncKernelManager
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.envs.source import (
     EnvironmentSource,
     RewardComponents,
@@ -28,6 +26,7 @@ from env_servers.envs.source import (
     no_submission,
     require_fields,
 )
+from env_servers.sandbox import Sandbox, SandboxLimits, SandboxMode, check_mode, describe_mode
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "notebook"
 
@@ -72,66 +71,118 @@ def parse_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-KERNEL_READY_TIMEOUT_S = 60.0
+class NotebookOptions(BaseModel):
+    """Options of the notebook environment (env_options.notebook); the sandbox's limits are
+    those of env_servers.sandbox.SandboxLimits, given here flat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: Path = DATA_DIR
+    cell_timeout_s: int = Field(default=60, gt=0, description="Wall time of one cell")
+    cpu_seconds_per_cell: float = Field(default=60.0, gt=0, description="CPU time of one cell")
+    max_output_chars: int = Field(default=100_000, gt=0, description="Output kept of one cell")
+    sandbox: SandboxMode = Field(default="bwrap", description="bwrap, or none to run unsandboxed")
+    memory_mb: int = SandboxLimits.model_fields["memory_mb"]
+    max_processes: int = SandboxLimits.model_fields["max_processes"]
+    max_file_mb: int = SandboxLimits.model_fields["max_file_mb"]
+    workspace_mb: int = SandboxLimits.model_fields["workspace_mb"]
+    tmp_mb: int = SandboxLimits.model_fields["tmp_mb"]
+    threads: int = SandboxLimits.model_fields["threads"]
+    network: bool = SandboxLimits.model_fields["network"]
+
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(**{name: getattr(self, name) for name in SandboxLimits.model_fields
+                                if name in type(self).model_fields})
 
 
-class LocalKernelState(NBEnvironmentState):
-    """A local kernel, up and answering before Reset returns."""
+class SandboxedKernelState(NBEnvironmentState):
+    """The notebook's state with its kernel in a sandbox on the episode's workspace."""
+
+    _sandbox: Sandbox = PrivateAttr()
+    _kernel: SandboxedKernel = PrivateAttr()
+
+    async def start_sandboxed(self, limits: SandboxLimits, mode: SandboxMode) -> None:
+        self._sandbox = Sandbox(self.work_dir, limits, mode)
+        try:
+            self._kernel = await SandboxedKernel.start(self._sandbox)
+        except BaseException:
+            self._sandbox.remove()
+            raise
 
     async def start_kernel(self) -> None:
-        # Aviary asks for a kernelspec named "python", but ipykernel installs itself as
-        # "python3" (jupyter_client's native kernel), so we start that one.
-        self._kernel_manager = AsyncKernelManager(kernel_name=NATIVE_KERNEL_NAME)
-        await self._kernel_manager.start_kernel(cwd=str(self.work_dir))
-        (await self.ready_client()).stop_channels()
+        """Started by DataAnalysisEnv.reset with the environment's limits instead."""
 
-    async def ready_client(self) -> AsyncKernelClient:
-        """A new client whose shell and IOPub channels are connected. A client that executes
-        at once can miss the cell's output and idle status: its IOPub subscription may reach
-        the kernel after they were published (ZeroMQ's late joiner), and the step then waits
-        out the whole cell timeout. wait_for_ready returns once IOPub has received."""
-        client = self._kernel_manager.client()
-        client.start_channels()
-        try:
-            await client.wait_for_ready(timeout=KERNEL_READY_TIMEOUT_S)
-        except BaseException:
-            client.stop_channels()
-            raise
-        return client
+    @property
+    def kernel(self) -> SandboxedKernel:
+        return self._kernel
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return self._sandbox
+
+    async def stop(self) -> None:
+        if hasattr(self, "_kernel"):
+            await self._kernel.stop()
+        if hasattr(self, "_sandbox"):
+            self._sandbox.remove()
 
 
-class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
-    STATE_CLS = LocalKernelState
+class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
+    STATE_CLS = SandboxedKernelState
 
-    def __init__(self, task: NotebookTask, data_dir: Path, cell_timeout_s: int) -> None:
+    def __init__(self, task: NotebookTask, data_dir: Path, options: NotebookOptions) -> None:
         super().__init__(
             work_dir=data_dir / task.dataset,
             use_tmp_work_dir=True,  # Aviary copies work_dir into a mkdtemp() folder per reset
             use_docker=False,
-            cell_execution_timeout=cell_timeout_s,
+            cell_execution_timeout=options.cell_timeout_s,
         )
         self.task = task
+        self.options = options
         self.reward_components: RewardComponents = {}
 
     async def reset(self) -> tuple[Messages, list[Tool]]:
         # NBEnvironment.reset replaces the state without stopping the previous kernel.
         await self.close()
         notebook_observations, tools = await super().reset()
+        try:
+            await self.state.start_sandboxed(self.options.limits(), self.options.sandbox)
+        except BaseException:
+            shutil.rmtree(self.state.work_dir, ignore_errors=True)
+            del self.state
+            raise
         self.reward_components = {}
         self.tools = [*tools, Tool.from_function(self.submit_answer)]
         return [Message(content=self.task.prompt()), *notebook_observations], self.tools
 
     async def _run_notebook_local(self, cell_idx: int | None = None) -> str:
-        """Aviary's local run, on a client made ready before the cell is sent (see
-        `LocalKernelState.ready_client`); Aviary's helper stops the client's channels when done."""
-        try:
-            async with asyncio.timeout(self.cell_execution_timeout):
-                client = await self.state.ready_client()
-                await nbformat_run_notebook(cells=self.state.cells, client=client, cell_idx=cell_idx)
-        except TimeoutError as error:
-            raise TimeoutError(f"Notebook execution timed out after {self.cell_execution_timeout} seconds") from error
+        """Run the cells (all, or `cell_idx`) in the sandboxed kernel under the cell limits. A
+        cell stopped by a limit gets the reason as its last output, and the tool call fails with
+        it (the agent reads it); the episode goes on, on a fresh kernel if it had to be killed."""
+        limits = CellLimits(wall_s=self.cell_execution_timeout, cpu_s=self.options.cpu_seconds_per_cell,
+                            max_output_chars=self.options.max_output_chars)
+        stopped: list[str] = []
+        for index, cell in enumerate(self.state.cells):
+            if cell.cell_type != "code" or (cell_idx is not None and index != cell_idx):
+                continue
+            result = await self.state.kernel.run_cell(cell.source, limits)
+            cell.outputs = result.outputs
+            if result.stopped is not None:
+                note = f"Cell {index} was stopped: {result.stopped}." + (
+                    " The kernel was restarted: variables and imports of earlier cells are gone."
+                    if result.restarted else "")
+                cell.outputs.append(nbformat.v4.new_output("stream", name="stderr", text=note + "\n"))
+                stopped.append(note)
+                break
         self.state.save_nb()
         self.state.reload_nb()
+        used, allowed = self.state.sandbox.workspace_bytes(), self.options.workspace_mb << 20
+        if used > allowed:
+            self.state.done = True
+            raise RuntimeError(f"the workspace holds {used >> 20} MiB, more than its limit of"
+                               f" {self.options.workspace_mb} MiB; the episode is over")
+        if stopped:
+            raise TimeoutError(" ".join(stopped))
         return "Executed all cells."
 
     async def submit_answer(self, answer: str) -> str:
@@ -148,22 +199,15 @@ class DataAnalysisEnv(NBEnvironment[LocalKernelState]):
         return "Answer submitted; the episode is over."
 
     async def close(self) -> None:
-        """Stop the kernel and remove the episode's directory, even if stopping fails."""
+        """Kill the kernel's sandbox and remove the episode's directories, even if stopping fails."""
         if not hasattr(self, "state"):
             return
         work_dir = self.state.work_dir
         try:
-            await super().close()
+            await self.state.stop()
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
             del self.state
-
-
-class NotebookOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    data_dir: Path = DATA_DIR
-    cell_timeout_s: int = Field(default=60, gt=0)
 
 
 class NotebookSource(EnvironmentSource):
@@ -176,6 +220,8 @@ class NotebookSource(EnvironmentSource):
 
     def __init__(self, options: NotebookOptions) -> None:
         self.options = options
+        check_mode(options.sandbox)
+        self.description = f"{type(self).description} {describe_mode(options.sandbox, options.limits())}."
         if not (options.data_dir / "tasks.jsonl").is_file():
             raise FileNotFoundError(
                 f"notebook tasks file {options.data_dir / 'tasks.jsonl'} is missing; run"
@@ -195,7 +241,7 @@ class NotebookSource(EnvironmentSource):
         return {split: len(tasks) for split, tasks in self._tasks.items()}
 
     def _env(self, task: NotebookTask) -> DataAnalysisEnv:
-        return DataAnalysisEnv(task, self.options.data_dir, self.options.cell_timeout_s)
+        return DataAnalysisEnv(task, self.options.data_dir, self.options)
 
     async def _make_checked(self, split: str, index: int) -> DataAnalysisEnv:
         return self._env(self._tasks[split][index])

@@ -1,16 +1,30 @@
 """What every environment source offers the server: tasks by split and index, inline tasks,
 summaries for logs, and (where the environment allows it) re-scoring of stored trajectories."""
 
+import hashlib
+import importlib.metadata
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from aviary.core import Environment, Message, ToolRequestMessage
+from aviary.core import Environment, Message, Tool, ToolRequestMessage
+from aviary.tools.base import FunctionInfo
 
 # Size reported for a split whose dataset has no length (Aviary's infinite TaskDatasets).
 UNBOUNDED = -1
 
 RewardComponents = dict[str, float]
+
+# Part of every built-in environment's version: Aviary runs their dynamics and graders.
+AVIARY_VERSION = importlib.metadata.version("fhaviary")
+
+
+def content_id(env: str, fields: Mapping[str, str]) -> str:
+    """A task id that depends on the task's content only: `env:` + 16 hex digits of the SHA-256
+    of its fields as canonical JSON."""
+    canonical = json.dumps(dict(fields), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return f"{env}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
 
 
 class RescoreUnsupportedError(NotImplementedError):
@@ -26,9 +40,9 @@ class ReportsRewardComponents(Protocol):
 
 def reward_components(env: Environment) -> RewardComponents:
     """The named parts of the env's latest reward; empty for envs that do not report them."""
-    if isinstance(env, ReportsRewardComponents):
-        return dict(env.reward_components)
-    return {}
+    # What isinstance(env, ReportsRewardComponents) checks, without typing's slow protocol check.
+    components = getattr(env, "reward_components", None)
+    return dict(components) if components is not None else {}
 
 
 def no_submission(reward: float) -> tuple[float, RewardComponents]:
@@ -48,6 +62,25 @@ def last_tool_argument(messages: Sequence[Message], tool: str, argument: str) ->
             if call.function.name == tool and argument in call.function.arguments:
                 return str(call.function.arguments[argument])
     return None
+
+
+# (environment class, the method's function) -> the tool's name, description and JSON Schema.
+# A method's schema depends only on its signature and docstring, which never change at run time,
+# so it is built once per class instead of once per episode (pydantic builds a model for it).
+_TOOL_INFOS: dict[tuple[type, Callable[..., Any]], FunctionInfo] = {}
+
+
+def cached_tool(method: Callable[..., Any], run: Callable[..., Any] | None = None) -> Tool:
+    """The tool `Tool.from_function(method)` makes, for a bound method of an environment, with its
+    schema built once per environment class and method and shared after that.
+
+    run: what the tool calls instead of `method`, with the same arguments (a coroutine that
+    runs `method` on the event loop, say); by default `method` itself."""
+    key = (type(method.__self__), method.__func__)  # type: ignore[attr-defined]
+    info = _TOOL_INFOS.get(key)
+    if info is None:
+        info = _TOOL_INFOS[key] = Tool.from_function(method).info
+    return Tool(tool_fn=run or method, info=info)
 
 
 def require_fields(
@@ -72,6 +105,10 @@ class EnvironmentSource(ABC):
 
     name: str
     description: str
+    # Bump environment_version when the same actions could lead to other observations, and
+    # grader_version when the same trajectory could get another reward (Reward.provenance).
+    environment_version: str = "1"
+    grader_version: str = "1"
 
     @property
     @abstractmethod
@@ -91,6 +128,24 @@ class EnvironmentSource(ABC):
         """Short description of a valid task for logs and viewers. It is sent to the agent with
         every Reset, so it must not contain the answer or anything else that grades the task."""
 
+    def task_id(self, split: str, index: int) -> str:
+        """A stable id of a valid task: a digest of what defines it (`_task_content`), so it does
+        not change when the dataset is reordered."""
+        return content_id(self.name, self._task_content(split, index))
+
+    def _task_content(self, split: str, index: int) -> Mapping[str, str]:
+        """What defines a task; the summary by default (override to include the answer)."""
+        return self._summary_checked(split, index)
+
+    def inline_task_id(self, fields: Mapping[str, str]) -> str:
+        return content_id(self.name, fields)
+
+    @property
+    def versions(self) -> tuple[str, str]:
+        """(environment version, grader version), each with the Aviary release it runs on."""
+        return (f"{self.name}/{self.environment_version}+aviary-{AVIARY_VERSION}",
+                f"{self.name}/{self.grader_version}+aviary-{AVIARY_VERSION}")
+
     async def make(self, split: str, index: int) -> Environment:
         self.check_task(split, index)
         return await self._make_checked(split, index)
@@ -105,6 +160,15 @@ class EnvironmentSource(ABC):
         """Score a stored trajectory of this task without replaying it."""
         raise RescoreUnsupportedError(
             f"environment {self.name!r} cannot score a stored trajectory; replay it instead"
+        )
+
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """Score a stored trajectory of an inline task (the fields it was reset with) without
+        replaying it; bad fields raise ValueError, as make_inline does."""
+        raise RescoreUnsupportedError(
+            f"environment {self.name!r} cannot score a stored trajectory of an inline task; replay it instead"
         )
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents] | None:

@@ -145,6 +145,17 @@ class ToySource(EnvironmentSource):
     ) -> tuple[float, RewardComponents]:
         """Score the trajectory's last assistant message, exactly as DigitsEnv.step does."""
         self.check_task(split, index)
-        replies = [message for message in messages if message.role == "assistant"]
-        reward = digit_fraction(reply_text(replies[-1])) if replies else 0.0
-        return reward, {"digit_fraction": reward}
+        return _score_last_reply(messages)
+
+    async def rescore_inline(
+        self, task: dict[str, str], messages: Sequence[Message]
+    ) -> tuple[float, RewardComponents]:
+        """As `rescore`: the reward depends on the reply alone."""
+        require_fields(self.name, task, {"question"})
+        return _score_last_reply(messages)
+
+
+def _score_last_reply(messages: Sequence[Message]) -> tuple[float, RewardComponents]:
+    replies = [message for message in messages if message.role == "assistant"]
+    reward = digit_fraction(reply_text(replies[-1])) if replies else 0.0
+    return reward, {"digit_fraction": reward}

@@ -41,6 +41,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from policy_server.weight_group import CollectiveRendezvous, WeightGroup
 
 
 @dataclass
@@ -105,6 +106,7 @@ class TransformersBackend:
         max_batch_rows: int = 256,
         stream_interval: int = 8,
         stall_timeout_s: float = 600.0,
+        collective: CollectiveRendezvous | None = None,
     ) -> None:
         if batch_window_s < 0 or max_batch_rows < 1 or stream_interval < 1 or stall_timeout_s <= 0:
             raise ValueError(
@@ -137,6 +139,8 @@ class TransformersBackend:
         self._engine_lock = threading.Lock()  # held while the model runs or weights change
         self._thread: threading.Thread | None = None
         self._closed = False
+        # the learner's gloo weight-transfer group, when this server takes NCCL-transport headers
+        self._weight_group = None if collective is None else WeightGroup(collective, collective.rank_offset)
 
     # -- PolicyBackend -------------------------------------------------------------------------
 
@@ -148,7 +152,7 @@ class TransformersBackend:
             quantization="",
             max_context=self._loaded.max_context,
             policy_version=self._version,
-            capabilities=list(BASE_CAPABILITIES),
+            capabilities=list(BASE_CAPABILITIES) + (["weight_updates_nccl"] if self._weight_group else []),
             supports_weight_updates=True,
         )
 
@@ -198,12 +202,48 @@ class TransformersBackend:
         update = _WeightUpdate(version, tensors, Future())
         self._start_engine()
         self._inbox.put(update)
-        await asyncio.wait_for(asyncio.wrap_future(update.done), self._stall_timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(update.done)), self._stall_timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            # The caller gives up: an update still waiting in the inbox is withdrawn and never
+            # applied; one the engine already began applying (a copy between two decode steps)
+            # completes, and then it is the serving version.
+            if update.done.cancel():
+                raise
+            await asyncio.to_thread(update.done.exception, self._stall_timeout_s)
+            if update.done.exception() is not None:
+                raise update.done.exception() from None
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise
+
+    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
+        """Take an update whose tensors the learner broadcasts over the gloo weight-transfer group
+        (`policy_server.weight_group`), in the order of `specs` (the header, already checked
+        against the manifest). They land in fresh tensors; the swap is `update_weights`, so a
+        transfer that fails or times out leaves the old weights serving."""
+        group = self._weight_group
+        if group is None:
+            raise RuntimeError("this server has no weights.collective rendezvous configured")
+        if version <= self._version:
+            raise ValueError(f"version {version} is not newer than the serving version {self._version}")
+
+        def receive() -> dict[str, torch.Tensor]:
+            try:
+                group.form()
+                return group.receive(specs)
+            except BaseException:
+                group.discard()  # the next update forms a new group
+                raise
+
+        tensors = await asyncio.wait_for(asyncio.to_thread(receive), self._stall_timeout_s)
+        await self.update_weights(version, tensors)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._weight_group is not None:
+            self._weight_group.close()
         if self._thread is not None:
             self._inbox.put(_CLOSE)
             await asyncio.to_thread(self._thread.join, self._stall_timeout_s)
@@ -260,6 +300,9 @@ class TransformersBackend:
     def _apply_weight_update(self, update: _WeightUpdate) -> None:
         try:
             with self._engine_lock, torch.no_grad():
+                # claimed under the lock: from here on the caller waits for the copy to end
+                if not update.done.set_running_or_notify_cancel():
+                    return  # its caller gave up waiting: never applied
                 for name, tensor in update.tensors.items():
                     self._parameters[name].copy_(tensor)
                 self._version = update.version

@@ -6,14 +6,18 @@ from the model's Hugging Face tokenizer, so multi-turn extension is the same as 
 returns the log-probability of each sampled token under the distribution it was drawn from, after
 temperature and top-p. Outputs stream as deltas. A caller that leaves aborts its request.
 
-Weights: updates go through vLLM's weight-transfer API (`start_weight_update`, `update_weights`,
+Weights: updates go through vLLM's weight-transfer session (`start_weight_update`, loading,
 `finish_weight_update`) with generation paused in "keep" mode: running requests freeze and resume
-on the new weights, and vLLM records which version sampled which tokens. Two ways in:
+on the new weights, and the backend itself records which version sampled which tokens (see
+`VllmBackend`). Two ways in, each worker call bounded by `collective_rpc(timeout=...)`:
 
 - `update_weights(version, tensors)`: tensors that came as gRPC chunks are loaded into the model
   through a worker extension (`CheckpointTensorLoader`) inside that same update session;
 - `receive_weights_nccl(version, specs)`: the tensors come over NCCL from the learner
   (`learner.vllm_sync`); the first call joins the learner's group (`NcclRendezvous`).
+
+Every name of vLLM used here is listed in `policy_server.backends.vllm_api`, which a test checks
+against the source of the pinned release.
 
 Every prompt carries the policy version as its `cache_salt`, so the prefix cache never serves KV
 computed by older weights to a request of a newer version.
@@ -50,6 +54,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from policy_server.weight_group import CollectiveRendezvous
 
 VLLM_MISSING = (
     "the vllm backend needs vLLM (a CUDA-only package): install the sciproto[vllm] extra on a "
@@ -57,9 +62,6 @@ VLLM_MISSING = (
 )
 
 CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
-
-# vLLM's label of the weights it loaded at start, before any update named a version
-_INITIAL_WEIGHTS_LABEL = "default"
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -72,30 +74,8 @@ def import_vllm(module: str = "vllm") -> Any:
         raise ImportError(f"{VLLM_MISSING} ({error})") from error
 
 
-class NcclRendezvous(BaseModel):
-    """Where the learner (NCCL rank 0, which hosts the TCP store) and the policy servers' vLLM
-    workers meet. `world_size` counts the learner and every worker of every server; each server's
-    workers take ranks rank_offset .. rank_offset + (its tensor-parallel size) - 1."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    master_address: str = Field(description="Host of the learner, reachable from every policy server")
-    master_port: int = Field(gt=0, lt=65536, description="Free TCP port on that host for the rendezvous")
-    world_size: int = Field(ge=2, description="1 (the learner) + all vLLM workers that receive weights")
-    rank_offset: int = Field(1, ge=1, description="NCCL rank of this server's first worker")
-    # Packed: tensors travel in a few large buffers instead of one broadcast each (vLLM's default
-    # on the trainer side); both ends must agree, so both read it from this same model.
-    packed: bool = True
-
-    def worker_init_info(self) -> dict[str, Any]:
-        """The `init_info` of vLLM's NCCL engine (NCCLWeightTransferInitInfo) for this server."""
-        return {
-            "master_address": self.master_address,
-            "master_port": self.master_port,
-            "rank_offset": self.rank_offset,
-            "world_size": self.world_size,
-            "packed": self.packed,
-        }
+# The rendezvous with the learner (NCCL rank 0); the same model configures the learner's side.
+NcclRendezvous = CollectiveRendezvous
 
 
 class VllmOptions(BaseModel):
@@ -175,18 +155,45 @@ class CheckpointTensorLoader:
 
 @dataclass
 class _Sample:
-    """What has streamed so far of one sample."""
+    """What has streamed so far of one sample, and which version sampled which of its tokens."""
 
+    marks: list[tuple[int, int]]  # (token index, version from that token on)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
 
 
+@dataclass(frozen=True)
+class VllmTypes:
+    """The vLLM classes the backend builds requests from (the real ones come from `load`)."""
+
+    sampling_params: Callable[..., Any]
+    delta_kind: Any
+
+    @classmethod
+    def load(cls) -> VllmTypes:
+        return cls(import_vllm("vllm.sampling_params").SamplingParams,
+                   import_vllm("vllm.sampling_params").RequestOutputKind.DELTA)
+
+
 class VllmBackend:
-    """PolicyBackend over a vLLM AsyncLLM; build it with `VllmBackend.start(model, dtype, options)`."""
+    """PolicyBackend over a vLLM AsyncLLM; build it with `VllmBackend.start(model, dtype, options)`.
+
+    Policy versions per token: vLLM 0.33 reports spans of its own (`CompletionOutput.weight_versions`),
+    but the backend does not depend on them. It reads every request's outputs as they come (one
+    reader task per request, independent of how fast the caller consumes), and an update runs with
+    generation paused: every token read before the update commits was sampled by the old weights,
+    every token after the resume by the new ones. So at the commit each running sample gets a mark
+    (tokens so far, new version), exactly as in the transformers backend.
+
+    Atomic updates: an update that fails before loading began resumes on the old weights; one that
+    fails or times out after `start_weight_update` may have left layers half-loaded, so the engine
+    stays paused, running requests end with finish reason "abort", `info().unavailable` says why,
+    and Generate is refused until a later update completes."""
 
     def __init__(self, engine: Any, tokenizer: Any, model: str, dtype: str, options: VllmOptions,
-                 manifest: list[TensorSpec], stop_token_ids: frozenset[int], max_context: int) -> None:
+                 manifest: list[TensorSpec], stop_token_ids: frozenset[int], max_context: int,
+                 types: VllmTypes | None = None) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._model = model
@@ -198,20 +205,19 @@ class VllmBackend:
         self._version = 0
         self._update_lock = asyncio.Lock()
         self._nccl_joined = False
-        self._running: set[str] = set()
+        self._running: dict[str, list[_Sample]] = {}
+        self._paused = False
+        self._unavailable = ""
         self._closed = False
-        vllm = import_vllm()
-        self._vllm_sampling = vllm.SamplingParams
-        self._delta_kind = import_vllm("vllm.sampling_params").RequestOutputKind.DELTA
-        self._transfer = import_vllm("vllm.distributed.weight_transfer.base")
+        self._types = types or VllmTypes.load()
 
     @classmethod
     def start(cls, model: str, dtype: str, options: VllmOptions) -> VllmBackend:
         """Start the engine on `model` (a Hugging Face model directory or hub id)."""
-        vllm = import_vllm()
+        arg_utils = import_vllm("vllm.engine.arg_utils")
         async_llm = import_vllm("vllm.v1.engine.async_llm")
         tokenizer, stop_ids, manifest = _model_facts(model, dtype, options.trust_remote_code)
-        engine_args = vllm.AsyncEngineArgs(**options.engine_kwargs(model, dtype))
+        engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype))
         engine = async_llm.AsyncLLM.from_engine_args(engine_args)
         max_context = engine.model_config.max_model_len
         return cls(engine, tokenizer, model, dtype, options, manifest, stop_ids, max_context)
@@ -228,6 +234,7 @@ class VllmBackend:
             policy_version=self._version,
             capabilities=list(CAPABILITIES),
             supports_weight_updates=True,
+            unavailable=self._unavailable,
         )
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
@@ -236,34 +243,37 @@ class VllmBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta | SampleResult]:
         if self._closed:
             raise RuntimeError("backend is closed")
+        if self._unavailable:
+            raise RuntimeError(self._unavailable)
         prompt = self.prompt_token_ids(request)
         room = self._max_context - len(prompt)
         if room < 1:
             raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {self._max_context}")
-        params = self._vllm_sampling(**sampling_kwargs(request.sampling, min(request.sampling.max_tokens, room)),
-                                     output_kind=self._delta_kind)
-        version_at_start = self._version
-        engine_prompt = {"prompt_token_ids": prompt, "cache_salt": f"policy-v{version_at_start}"}
+        params = self._types.sampling_params(
+            **sampling_kwargs(request.sampling, min(request.sampling.max_tokens, room)),
+            output_kind=self._types.delta_kind)
+        version = self._version
+        engine_prompt = {"prompt_token_ids": prompt, "cache_salt": f"policy-v{version}"}
         request_id = f"{request.request_id or 'generate'}-{uuid.uuid4().hex}"
-        samples = [_Sample() for _ in range(request.sampling.n)]
-        unfinished = request.sampling.n
-        self._running.add(request_id)
+        samples = [_Sample([(0, version)]) for _ in range(request.sampling.n)]
+        events: asyncio.Queue = asyncio.Queue()
+        self._running[request_id] = samples
         outputs = self._engine.generate(engine_prompt, params, request_id)
+        reader = asyncio.ensure_future(_read_outputs(outputs, samples, prompt, events, request_id))
+        unfinished = request.sampling.n
         try:
             while unfinished:
-                output = await asyncio.wait_for(anext(outputs, None), self._options.stall_timeout_s)
-                if output is None:
-                    raise RuntimeError(f"vLLM ended request {request_id} with {unfinished} samples unfinished")
-                for completion in output.outputs:
-                    sample = samples[completion.index]
-                    delta = _delta(sample, completion)
-                    if delta.token_ids or delta.text:
-                        yield delta
-                    if completion.finish_reason is not None:
-                        unfinished -= 1
-                        yield _result(completion, sample, prompt, version_at_start)
+                event = await asyncio.wait_for(events.get(), self._options.stall_timeout_s)
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, SampleResult):
+                    unfinished -= 1
+                yield event
         finally:
-            self._running.discard(request_id)
+            self._running.pop(request_id, None)
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
             if unfinished:  # the caller left early (or the engine failed): free the engine's slots
                 await self._engine.abort(request_id)
             await outputs.aclose()
@@ -276,7 +286,10 @@ class VllmBackend:
         vLLM fuses into its own layout as it loads them)."""
         validate_weight_update(self._manifest, tensors)
         named = list(tensors.items())
-        await self._swap(version, lambda: self._engine.collective_rpc("load_checkpoint_tensors", args=(named,)))
+        timeout = self._options.stall_timeout_s
+        async with self._update_lock:
+            await self._swap_locked(version, lambda: self._engine.collective_rpc(
+                "load_checkpoint_tensors", timeout=timeout, args=(named,)))
 
     async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
         """Install tensors the learner broadcasts over NCCL, in the order of `specs` (the
@@ -292,14 +305,15 @@ class VllmBackend:
             "dtype_names": [spec.dtype for spec in specs],
             "shapes": [list(spec.shape) for spec in specs],
         }
+        timeout = min(self._options.stall_timeout_s, rendezvous.timeout_s)
         async with self._update_lock:
             if not self._nccl_joined:
-                request = self._transfer.WeightTransferInitRequest(init_info=rendezvous.worker_init_info())
-                await asyncio.wait_for(self._engine.init_weight_transfer_engine(request),
-                                       self._options.stall_timeout_s)
+                await asyncio.wait_for(self._engine.collective_rpc(
+                    "init_weight_transfer_engine", timeout=timeout,
+                    kwargs={"init_info": rendezvous.worker_init_info()}), timeout)
                 self._nccl_joined = True
-            request = self._transfer.WeightTransferUpdateRequest(update_info=update_info)
-            await self._swap_locked(version, lambda: self._engine.update_weights(request))
+            await self._swap_locked(version, lambda: self._engine.collective_rpc(
+                "update_weights", timeout=timeout, kwargs={"update_info": update_info}))
 
     async def close(self) -> None:
         if self._closed:
@@ -308,33 +322,75 @@ class VllmBackend:
         if self._running:
             # running samples end with finish reason "abort", as the protocol promises
             await self._engine.abort(list(self._running))
-        if self._nccl_joined:
+        if self._nccl_joined and not self._unavailable:
             await self._engine.shutdown_weight_transfer_engine()
         self._engine.shutdown()
 
     # -- weight swap ---------------------------------------------------------------------------
 
-    async def _swap(self, version: int, load: Callable[[], Awaitable[Any]]) -> None:
-        async with self._update_lock:
-            await self._swap_locked(version, load)
-
     async def _swap_locked(self, version: int, load: Callable[[], Awaitable[Any]]) -> None:
         """Pause (running requests freeze in place), load inside an update session, label the
-        weights `version`, resume. Requests that span the swap get two version spans."""
+        weights `version`, mark every running sample, resume. A failure after loading began
+        leaves the engine paused and the backend unavailable (see the class docstring)."""
         if self._closed:
             raise RuntimeError("backend is closed")
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the serving version {self._version}")
         timeout = self._options.stall_timeout_s
-        # the prefix cache stays: new prompts carry the new version as cache_salt and never hit it
-        await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
+        if not self._paused:
+            # the prefix cache stays: new prompts carry the new version as cache_salt and never hit it
+            await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
+            self._paused = True
         try:
             await asyncio.wait_for(self._engine.start_weight_update(), timeout)
+        except BaseException:
+            if not self._unavailable:  # nothing was loaded: the old weights are whole
+                await self._resume(timeout)
+            raise
+        try:
             await asyncio.wait_for(load(), timeout)
             await asyncio.wait_for(self._engine.finish_weight_update(weight_version=str(version)), timeout)
-            self._version = version
-        finally:
-            await asyncio.wait_for(self._engine.resume_generation(), timeout)
+        except BaseException as error:
+            self._unavailable = (f"the update to policy version {version} failed after it began loading ({error!r}); "
+                                 "the weights may be half-loaded, so this server samples again only after a "
+                                 "complete update")
+            if self._running:  # they cannot go on: end them with finish reason "abort"
+                await self._engine.abort(list(self._running))
+            raise
+        # Paused, nothing new is sampled: let each reader take what was sampled before the pause.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self._version = version
+        self._unavailable = ""
+        for samples in self._running.values():
+            for sample in samples:
+                sample.marks.append((len(sample.tokens), version))
+        await self._resume(timeout)
+
+    async def _resume(self, timeout: float) -> None:
+        await asyncio.wait_for(self._engine.resume_generation(), timeout)
+        self._paused = False
+
+
+async def _read_outputs(outputs: AsyncIterator[Any], samples: list[_Sample], prompt: list[int],
+                        events: asyncio.Queue, request_id: str) -> None:
+    """Read one request's DELTA outputs as they come: tokens go into their samples at once (so an
+    update's mark counts them), events go to the caller's queue."""
+    unfinished = len(samples)
+    try:
+        async for output in outputs:
+            for completion in output.outputs:
+                sample = samples[completion.index]
+                delta = _delta(sample, completion)
+                if delta.token_ids or delta.text:
+                    events.put_nowait(delta)
+                if completion.finish_reason is not None:
+                    unfinished -= 1
+                    events.put_nowait(_result(completion, sample, prompt))
+        if unfinished:
+            events.put_nowait(RuntimeError(f"vLLM ended request {request_id} with {unfinished} samples unfinished"))
+    except Exception as error:  # noqa: BLE001 -- handed to the caller
+        events.put_nowait(error)
 
 
 def _delta(sample: _Sample, completion: Any) -> TokenDelta:
@@ -350,7 +406,7 @@ def _delta(sample: _Sample, completion: Any) -> TokenDelta:
     return TokenDelta(completion.index, tokens, completion.text, logprobs)
 
 
-def _result(completion: Any, sample: _Sample, prompt: list[int], version_at_start: int) -> SampleResult:
+def _result(completion: Any, sample: _Sample, prompt: list[int]) -> SampleResult:
     finish = _FINISH_REASONS.get(completion.finish_reason)
     if finish is None:
         raise RuntimeError(f"vLLM ended sample {completion.index} with {completion.finish_reason!r}")
@@ -365,26 +421,14 @@ def _result(completion: Any, sample: _Sample, prompt: list[int], version_at_star
         content=parsed.content,
         tool_calls=parsed.tool_calls,
         malformed=parsed.malformed,
-        version_spans=version_spans(completion.weight_versions, len(sample.tokens), version_at_start),
+        version_spans=version_spans(sample.marks, len(sample.tokens)),
     )
 
 
-def version_spans(engine_spans: list[Any] | None, length: int, version_at_start: int) -> list[VersionSpan]:
-    """vLLM's WeightVersionSpan(version: str, start, end) as ours. Until the first update vLLM
-    labels weights "default" (our version 0); we label each update with str(version). A sample
-    without spans (none reported) was sampled wholly by the version serving when it started."""
-    if not engine_spans:
-        return [VersionSpan(0, length, version_at_start)] if length else []
-    return [VersionSpan(span.start, span.end, _version_of_label(span.version))
-            for span in engine_spans if span.end > span.start]
-
-
-def _version_of_label(label: str) -> int:
-    if label == _INITIAL_WEIGHTS_LABEL:
-        return 0
-    if not label.isdigit():
-        raise RuntimeError(f"vLLM labels weights {label!r}; only this backend may set weight versions")
-    return int(label)
+def version_spans(marks: list[tuple[int, int]], length: int) -> list[VersionSpan]:
+    """[(first token, version), ...] -> the non-empty spans covering tokens [0, length)."""
+    ends = [start for start, _ in marks[1:]] + [length]
+    return [VersionSpan(start, end, version) for (start, version), end in zip(marks, ends) if end > start]
 
 
 def _meta_tensors(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:

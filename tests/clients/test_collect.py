@@ -214,3 +214,52 @@ async def test_replica_rejoins_when_its_health_check_passes(spawn_env) -> None:
         async with asyncio.timeout(60), pool.lease() as leased:
             assert leased is replica and replica.healthy
             assert (await leased.client.describe(timeout=10)).environments
+
+
+def test_collection_where_every_rollout_failed_exits_non_zero(tmp_path: Path, env_server, policy_server) -> None:
+    # A Generate deadline no call can meet: every rollout is an INFRA_ERROR.
+    output = tmp_path / "failed.jsonl"
+    result = subprocess.run(
+        sciproto_command("collect", "--env", env_server.target, "--policy", policy_server.target,
+                         "--tasks", "gsm8k:test", "--limit", "2", "--output", str(output),
+                         "--set", "deadlines.generate_s=0.0001", "--set", "retries.attempts=1",
+                         "--set", "retries.episode_restarts=0", "--set", "progress=false"),
+        capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "no rollout succeeded: all 2 failed" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(output_paths(output)[0].read_text().splitlines()) == 2
+    # A rerun with nothing left to do, or one where some rollouts succeed, exits 0.
+    fine = subprocess.run(
+        sciproto_command("collect", "--env", env_server.target, "--policy", policy_server.target,
+                         "--tasks", "gsm8k:test", "--limit", "2", "--output", str(output), "--set", "progress=false"),
+        capture_output=True, text=True, timeout=300, check=False)
+    assert fine.returncode == 0, fine.stderr[-2000:]
+
+
+def test_summary_rollout_files_are_compact_and_the_viewer_reads_them(tmp_path: Path, env_server,
+                                                                        policy_server) -> None:
+    from tests.clients.test_viewer import Viewer
+
+    files = {}
+    for detail in ("full", "summary"):
+        files[detail] = tmp_path / f"{detail}.jsonl"
+        summary = main(env=[env_server.target], policy=[policy_server.target], tasks="gsm8k:test",
+                       output=files[detail], limit=2, samples=2, overrides=[*FAST, f"rollouts={detail}"])
+        assert summary.rollouts == 4
+    full, compact = (sorted(read_rollouts(files[d]), key=lambda r: r.rollout_id) for d in ("full", "summary"))
+    assert [r.rollout_id for r in full] == [r.rollout_id for r in compact]
+    for record in compact:
+        assert record.detail == "summary" and record.token_ids == record.logprobs == record.loss_mask == []
+        assert record.tokens.completion > 0 and record.messages, "counts and transcript are kept"
+    assert all(r.detail == "full" and r.token_ids for r in full)
+    full_size, compact_size = (files[d].stat().st_size for d in ("full", "summary"))
+    assert compact_size * 2 < full_size, (compact_size, full_size)
+    viewer = Viewer(files["summary"])
+    try:
+        status, page = viewer.get("/api/rollouts?offset=0")
+        assert status == 200 and page["total"] == 4 and all(row["completion_tokens"] > 0 for row in page["rows"])
+        status, record = viewer.get("/api/rollout?key=rollouts:1")
+        assert status == 200 and record["detail"] == "summary" and record["messages"]
+    finally:
+        assert viewer.stop() == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import os
 import queue
@@ -63,6 +64,19 @@ QUESTIONS = [("Natalia sold clips to 48 of her friends in April, and then she so
              "Betty needs $100 for a wallet and has half of it. How much more does she need?"]
 
 
+def png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# A message with an image, as the notebook environment sends a figure (MessageRecord.parts).
+IMAGE_PARTS = [{"type": "text", "text": "Say hi."},
+               {"type": "image", "mime_type": "image/png", "data_base64": base64.b64encode(png(6, 4)).decode()}]
+
+
 def rollouts() -> list[dict[str, Any]]:
     with_tools = [
         SYSTEM, message("user", QUESTIONS[0]),
@@ -82,7 +96,8 @@ def rollouts() -> list[dict[str, Any]]:
         rollout("gsm8k", 0, 0, "SCORED", 1.0, with_tools, QUESTIONS[0]),
         rollout("gsm8k", 0, 1, "SCORED", 0.0, wrong, QUESTIONS[0]),
         rollout("gsm8k", 1, 0, "SCORED", 1.0, weng, QUESTIONS[1]),
-        rollout("toy", 1, 0, "UNSCORED", 0.25, [SYSTEM, message("user", "Say hi."), message("assistant", "hi")], "Say hi."),
+        rollout("toy", 1, 0, "UNSCORED", 0.25, [SYSTEM, message("user", "Say hi.", parts=IMAGE_PARTS),
+                                                message("assistant", "hi")], "Say hi."),
     ]
 
 
@@ -363,3 +378,16 @@ async def test_page_shows_filters_sorts_and_opens_transcripts(viewer: Viewer, ch
         shot = await page.call("Page.captureScreenshot", format="png")
         (ARTIFACTS / "viewer-infra-error.png").write_bytes(base64.b64decode(shot["data"]))
     assert (ARTIFACTS / "viewer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_page_shows_image_parts(viewer: Viewer, chromium: str) -> None:
+    async with aiohttp.ClientSession() as session, session.ws_connect(chromium, max_msg_size=0) as socket:
+        page = DevTools(socket)
+        await page.call("Page.enable")
+        await page.call("Page.navigate", url=viewer.url)
+        await page.wait_for("document.body?.dataset.ready === 'true'")
+        await page.type("#search", "Say hi")
+        await page.click("#rollouts tbody tr")
+        size = await page.wait_for("(() => { const img = document.querySelector('.image-part img');"
+                                   " return img && img.complete && img.naturalWidth ? [img.naturalWidth, img.naturalHeight] : null; })()")
+    assert size == [6, 4]

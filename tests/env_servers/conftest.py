@@ -11,6 +11,7 @@ import pytest
 
 from clients.env_client import EnvClient
 from sciproto.processes import ServerProcess, start_server
+from tests.conftest import NOTEBOOK_SANDBOX
 
 LOG_DIR = Path(__file__).resolve().parents[2] / ".test-artifacts"
 
@@ -19,6 +20,9 @@ def serve_env(name: str, *settings: str) -> Iterator[ServerProcess]:
     """Start `sciproto serve env` with `--set` settings; stop it when the fixture ends."""
     LOG_DIR.mkdir(exist_ok=True)
     args = ["serve", "env", "--port", "0"]
+    hosts_notebook = any("notebook" in setting for setting in settings if setting.startswith("envs="))
+    if hosts_notebook and not any(setting.startswith("env_options.notebook.sandbox=") for setting in settings):
+        settings = (*settings, f"env_options.notebook.sandbox={NOTEBOOK_SANDBOX}")
     for setting in settings:
         args += ["--set", setting]
     server = start_server(args, timeout_s=120, log_file=LOG_DIR / f"env-server-{name}.log")

@@ -15,7 +15,6 @@ from sciproto.errors import (
     InvalidArgument,
     NotFound,
     Reason,
-    Unimplemented,
 )
 from sciproto.pb import common_pb2, env_grpc, env_pb2
 from sciproto.processes import ServerProcess
@@ -50,7 +49,7 @@ async def test_describe_reports_versions_envs_splits_and_limits(env_server: Serv
     assert "session" in described.server.capabilities
     assert described.server.limits.max_receive_message_bytes > 0
     splits = {env.name: {s.name: s.size for s in env.splits} for env in described.environments}
-    assert splits["gsm8k"] == {"train": 250, "test": 60}
+    assert splits["gsm8k"] == {"train": 250, "test": 60, "short_train": 400, "short_test": 100}
     assert set(splits) == {"gsm8k", "notebook"}
     assert described.limits.max_live_episodes > 0 and described.limits.idle_ttl_seconds > 0
     assert tools["gsm8k"] == ["calculator", "submit_answer"]  # known once a gsm8k episode was reset
@@ -284,13 +283,24 @@ async def test_verify_stored_trajectories(env_server: ServerProcess) -> None:
         del trajectory.messages[-1]
         trajectory.messages.append(submit(str(float(answer) + 1)))
         wrong = await client.verify(trajectory=trajectory)
-        inline = env_pb2.StoredTrajectory(env="gsm8k", inline_task=env_pb2.InlineTask(fields={"question": "q"}))
-        with pytest.raises(Unimplemented) as unsupported:
-            await client.verify(trajectory=inline)
+        # A trajectory of an inline task is graded against the fields it was run on.
+        inline_task = env_pb2.InlineTask(fields={"question": "What is 6 * 7?", "answer": "#### 42"})
+        inline = env_pb2.StoredTrajectory(env="gsm8k", inline_task=inline_task, messages=[submit("42")])
+        inline_right = await client.verify(trajectory=inline)
+        inline.messages[-1].CopyFrom(submit("41"))
+        inline_wrong = await client.verify(trajectory=inline)
+        incomplete = env_pb2.StoredTrajectory(env="gsm8k", inline_task=env_pb2.InlineTask(fields={"question": "q"}))
+        with pytest.raises(InvalidArgument) as missing_field:
+            await client.verify(trajectory=incomplete)
+        with pytest.raises(InvalidArgument) as no_task:
+            await client.verify(trajectory=env_pb2.StoredTrajectory(env="gsm8k", messages=[submit("1")]))
     assert (rescored.reward.value, rescored.reward.status) == (1.0, SCORED)
     assert dict(rescored.reward.components) == {"correct": 1.0, "submitted": 1.0}
     assert wrong.reward.value == 0.0
-    assert "Verify the live episode" in unsupported.value.message
+    assert (inline_right.reward.value, inline_right.reward.status) == (1.0, SCORED)
+    assert (inline_wrong.reward.value, inline_wrong.reward.status) == (0.0, SCORED)
+    assert missing_field.value.reason == Reason.INVALID_REQUEST and "answer" in missing_field.value.message
+    assert no_task.value.reason == Reason.INVALID_REQUEST
 
 
 async def test_closing_or_cancelling_a_session_closes_its_episodes(env_server: ServerProcess) -> None:
@@ -355,3 +365,43 @@ async def test_undecodable_session_frame_ends_the_stream_with_invalid_argument(e
     assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid message" in ended.value.details()
     assert await wait_for_live_episodes(env_server.target, before) == before
+
+
+async def test_rewards_and_environments_carry_provenance_and_tasks_a_stable_id(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client:
+        described = {env.name: env for env in (await client.describe()).environments}
+        first = await client.reset("gsm8k", split="test", index=2)
+        again = await client.reset("gsm8k", split="test", index=2)
+        other = await client.reset("gsm8k", split="test", index=3)
+        step = await client.step(first.episode_id, submit("1"))
+        verified = await client.verify(first.episode_id)
+        stored = await client.verify(trajectory=env_pb2.StoredTrajectory(
+            env="gsm8k", task_ref=env_pb2.TaskRef(split="test", index=2), messages=[submit("1")]))
+        inline_fields = {"question": "What is 6 * 7?", "answer": "#### 42"}
+        inline = await client.reset("gsm8k", inline=inline_fields)
+        for reset in (first, again, other, inline):
+            await client.close(reset.episode_id)
+    gsm8k = described["gsm8k"].provenance
+    assert gsm8k.environment == "gsm8k" and gsm8k.environment_version.startswith("gsm8k/1+aviary-")
+    assert gsm8k.grader_version and described["notebook"].provenance.environment == "notebook"
+    for reward in (step.reward, verified.reward, stored.reward):
+        assert reward.provenance == gsm8k
+    assert first.task_id == again.task_id != other.task_id
+    assert first.task_id.startswith("gsm8k:") and len(first.task_id) == len("gsm8k:") + 16
+    assert inline.task_id.startswith("gsm8k:") and inline.task_id not in (first.task_id, other.task_id)
+
+
+async def test_a_notebook_figure_comes_back_as_an_image_part(env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        reset = await session.reset("notebook", split="test", index=3)
+        plot = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.title('squares')\nplt.show()"
+        step = await session.step(reset.episode_id, edit_cell(plot))
+        await session.close(reset.episode_id)
+    with_parts = [message for message in step.observations if message.parts]
+    assert with_parts, [message.content[:200] for message in step.observations]
+    parts = with_parts[-1].parts
+    images = [part.image for part in parts if part.WhichOneof("part") == "image"]
+    assert images and images[0].mime_type == "image/png" and images[0].data.startswith(b"\x89PNG\r\n\x1a\n")
+    texts = [part.text for part in parts if part.WhichOneof("part") == "text"]
+    assert with_parts[-1].content == "\n".join(texts)  # the text parts, without the image's base64
+    assert "base64" not in with_parts[-1].content and len(with_parts[-1].content) < 20_000

@@ -17,6 +17,7 @@ from env_servers.catalog import (
     reward_components,
 )
 from env_servers.envs.toy import DigitsTaskDataset
+from tests.conftest import NOTEBOOK_SANDBOX
 from tests.env_servers.answers import expected_answer
 
 
@@ -25,11 +26,12 @@ def call(tool: str, **arguments: object) -> ToolRequestMessage:
 
 
 def kernel_processes() -> list[psutil.Process]:
-    """Jupyter kernels started by this test process."""
+    """Jupyter kernels started by this test process (the kernels themselves, not the bwrap
+    processes of their sandboxes)."""
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if "ipykernel" in " ".join(child.cmdline())
+        if "ipykernel" in " ".join(child.cmdline()) and child.name() != "bwrap"
     ]
 
 
@@ -38,12 +40,40 @@ def kernel_processes() -> list[psutil.Process]:
 
 async def test_gsm8k_data_loads_through_aviary_loader() -> None:
     source = load_source("gsm8k")
-    assert source.splits == {"train": 250, "test": 60}
+    assert source.splits == {"train": 250, "test": 60, "short_train": 400, "short_test": 100}
     for split, size in source.splits.items():
         for index in range(size):
             env = await source.make(split, index)
             assert env.answer == float(expected_answer("gsm8k", split, index))
             assert set(source.task_summary(split, index)) == {"question"}
+
+
+async def test_short_gsm8k_problems_are_one_step_graded_by_the_calculator_env(tmp_path) -> None:
+    import importlib.util
+    import shutil
+
+    from env_servers.envs.gsm8k import DATA_DIR
+
+    source = load_source("gsm8k")
+    env = await source.make("short_test", 0)
+    observations, _ = await env.reset()
+    assert "submit_answer" in observations[0].content and "NUMBER" in observations[0].content
+    _, reward, done, _ = await env.step(call("submit_answer", answer="NUMBER"))  # the placeholder copied
+    assert (reward, done) == (-1.0, True)
+    env = await source.make("short_test", 0)
+    await env.reset()
+    _, reward, done, _ = await env.step(call("submit_answer", answer=expected_answer("gsm8k", "short_test", 0)))
+    assert (reward, done) == (1.0, True)
+    rows = [json.loads(line) for line in (DATA_DIR / "short_train.jsonl").read_text().splitlines()]
+    assert all(row["answer"].count("<<") == 1 for row in rows)  # one calculation each
+    # The shipped files are exactly what the generator writes.
+    shutil.copy(DATA_DIR / "generate_short.py", tmp_path / "generate_short.py")
+    spec = importlib.util.spec_from_file_location("generate_short", tmp_path / "generate_short.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    for name in ("short_train.jsonl", "short_test.jsonl"):
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes()
 
 
 async def test_gsm8k_episode_with_calculator_and_correct_submission() -> None:
@@ -104,7 +134,7 @@ def printed_output(observation: Message) -> str:
 
 
 async def test_notebook_episode_runs_pandas_in_a_local_kernel() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     index = next(
         i
         for i in range(source.splits["train"])
@@ -141,7 +171,7 @@ async def test_notebook_episode_runs_pandas_in_a_local_kernel() -> None:
 
 
 async def test_notebook_wrong_answer_scores_zero_and_reset_keeps_one_kernel() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     env = await source.make("test", 0)
     await env.reset()
     await env.reset()  # a second reset must replace, not leak, the first kernel
@@ -154,7 +184,7 @@ async def test_notebook_wrong_answer_scores_zero_and_reset_keeps_one_kernel() ->
 
 
 async def test_notebook_answer_checks_and_rescore() -> None:
-    source = load_source("notebook")
+    source = load_source("notebook", {"sandbox": NOTEBOOK_SANDBOX})
     rounded = next(
         i
         for i in range(source.splits["train"])

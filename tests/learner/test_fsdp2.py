@@ -16,7 +16,8 @@ from learner.distributed import broadcast_groups, current_context
 from learner.trainer import GRPOTrainer
 
 WORLD_SIZE = 2
-CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40, shared_prefix_min_tokens=4)
+# Two optimizer steps per batch: the pi_old pass and both steps run their collectives in step.
+CONFIG = GRPOConfig(lr=1e-2, micro_batch_tokens=40, shared_prefix_min_tokens=4, mini_batches=2)
 
 
 def _batches() -> list:
@@ -74,3 +75,39 @@ def test_two_fsdp2_ranks_match_one_process(tmp_path: Path) -> None:
     assert restored.policy_version == 2
     for name, value in restored.state_dict_for_push().items():
         torch.testing.assert_close(value, result["weights"][name])
+
+
+BF16_CONFIG = CONFIG.model_copy(update={"precision": "bf16", "lr": 1e-6})
+
+
+def _bf16_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE)
+    try:
+        trainer = GRPOTrainer(tiny_model(seed=0), BF16_CONFIG)
+        start = trainer.state_dict_for_push()
+        batches = [broadcast_groups(b if rank == 0 else None) for b in _batches()]
+        figures = _train(trainer, batches)
+        shard_dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
+        weights = trainer.state_dict_for_push()
+        if rank == 0:
+            torch.save({"figures": figures, "start": start, "weights": weights, "shard_dtypes": shard_dtypes},
+                       Path(out_dir) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_fsdp2_ranks_in_bf16_keep_fp32_masters(tmp_path: Path) -> None:
+    """MixedPrecisionPolicy(bf16 compute, fp32 reduce) over fp32 shards: lr 1e-6 steps still move
+    the weights, and loss and gradient norm stay close to one process under bf16 autocast (the two
+    round differently: FSDP2 runs every op of the block in bf16, autocast keeps norms in fp32)."""
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_bf16_worker, args=(rendezvous, str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert result["shard_dtypes"] == ["torch.float32"]
+    moved = sum(int((result["weights"][n] != result["start"][n]).sum()) for n in result["start"])
+    total = sum(t.numel() for t in result["start"].values())
+    assert moved / total > 0.9
+
+    single = GRPOTrainer(tiny_model(seed=0), BF16_CONFIG)
+    torch.testing.assert_close(result["figures"], _train(single, _batches()), rtol=2e-2, atol=1e-3)

@@ -130,8 +130,8 @@ def _sequence_logprobs(model: torch.nn.Module, sample: TrainSample) -> list[floa
 
 
 def test_trainer_loss_matches_hand_computation_on_a_model(groups: list[RolloutGroup]) -> None:
-    """End to end through padding, micro-batches and the model: with pi_old = pi_theta (rho = 1)
-    the loss is -(1/N) sum_t min(pi/mu, 2) A_i."""
+    """End to end through padding, micro-batches and the model: with one optimizer step per batch
+    (mini_batches 1) pi_old = pi_theta, rho = 1 and the loss is -(1/N) sum_t min(pi/mu, 2) A_i."""
     cfg = GRPOConfig(micro_batch_tokens=32, adv_eps=1e-6)
     reference = tiny_model()
     expected, n = 0.0, 0

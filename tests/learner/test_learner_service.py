@@ -15,7 +15,7 @@ import yaml
 
 from clients.policy_client import PolicyClient
 from sciproto.channel import make_channel
-from sciproto.pb import common_pb2, learner_grpc, learner_pb2
+from sciproto.pb import common_pb2, learner_grpc, learner_pb2, policy_pb2
 from sciproto.processes import ServerProcess, start_server
 
 BATCH_GROUPS = 2
@@ -287,3 +287,60 @@ async def test_a_killed_learner_resumes_from_its_checkpoint_without_counting_a_g
             assert (await describe(channel)).step == 1
     finally:
         server.stop()
+
+
+async def test_a_bf16_learner_pushes_what_a_bfloat16_policy_server_serves(tmp_path: Path) -> None:
+    """bf16 compute over fp32 masters; push_dtype auto asks the policy server (Describe) and the
+    push carries bfloat16, which the server accepts only in the dtype it holds."""
+    policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0", "--set", "dtype=bfloat16"])
+    learner = start_learner(learner_config(tmp_path / "run", policy, grpo={"lr": 1e-6, "precision": "bf16"}))
+    try:
+        async with make_channel(learner.target) as channel:
+            before = await describe(channel)
+            assert before.precision == "bf16"
+            stream = TrainStream(channel)
+            for number in range(BATCH_GROUPS):
+                await stream.send(make_group(f"bf16/{number}", before.policy_version, seed=number))
+            await stream.receipts(BATCH_GROUPS)
+            step = await stream.next("step")
+            assert step.weights_pushed
+            await stream.close()
+        assert await serving_version(policy) == step.policy_version
+    finally:
+        learner.stop()
+        policy.stop()
+
+
+async def test_samples_cut_by_their_token_limit_are_counted_and_masked(
+    policy: ServerProcess, tmp_path: Path
+) -> None:
+    """Finish reasons travel in the Rollout; with mask_truncated the step trains none of a cut
+    sample's tokens and says how many it masked. An unknown finish reason is refused."""
+    learner = start_learner(learner_config(tmp_path / "run", policy, grpo={"lr": 1e-2, "mask_truncated": True}))
+    try:
+        async with make_channel(learner.target) as channel:
+            version = (await describe(channel)).policy_version
+            groups = [make_group(f"cut/{n}", version, seed=n) for n in range(BATCH_GROUPS)]
+            for group in groups:
+                for index, rollout in enumerate(group.rollouts):
+                    cut = index == 1  # one sample per group ran into its token limit
+                    rollout.turn_finish_reasons.append(
+                        policy_pb2.FINISH_REASON_LENGTH if cut else policy_pb2.FINISH_REASON_STOP)
+                    rollout.step_rewards.append(0.0)
+            unknown = make_group("cut/unknown", version)
+            unknown.rollouts[0].turn_finish_reasons.append(99)
+            stream = TrainStream(channel)
+            for group in [unknown, *groups]:
+                await stream.send(group)
+            refused, *accepted = await stream.receipts(1 + BATCH_GROUPS)
+            assert not refused.accepted and refused.reason == "invalid"
+            assert "turn_finish_reasons[0] = 99" in refused.detail
+            assert all(r.accepted for r in accepted)
+            step = await stream.next("step")
+            await stream.close()
+    finally:
+        learner.stop()
+    assert step.metrics["length_cut_samples"] == BATCH_GROUPS
+    assert step.metrics["truncated_masked_samples"] == BATCH_GROUPS
+    # 4 samples x 5 trained tokens per group, one sample masked in each.
+    assert step.metrics["tokens"] == BATCH_GROUPS * 3 * 5

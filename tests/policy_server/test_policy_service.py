@@ -14,7 +14,7 @@ from policy_service_helpers import (
 )
 
 from clients.policy_client import PolicyClient, generate_request
-from sciproto.errors import DeadlineExceeded, InvalidArgument, Reason
+from sciproto.errors import DeadlineExceeded, InvalidArgument, Reason, Unimplemented
 from sciproto.pb import common_pb2, policy_pb2
 from sciproto.version import PROTOCOL_VERSION
 
@@ -134,3 +134,18 @@ async def test_leaving_the_stream_early_cancels_the_request(client: PolicyClient
     # the server still serves after the cancelled call
     group = await client.generate_group(generate_request(prompt_token_ids=PROMPT, max_tokens=4))
     assert len(group.samples) == 1
+
+
+async def test_image_parts_are_refused_by_a_text_only_model_and_text_parts_are_read(client: PolicyClient) -> None:
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    with_image = common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content="What does the plot show?", parts=[
+        common_pb2.ContentPart(text="What does the plot show?"),
+        common_pb2.ContentPart(image=common_pb2.ImagePart(data=png, mime_type="image/png"))])
+    with pytest.raises(Unimplemented) as refused:
+        await client.generate_group(generate_request(messages=[with_image], max_tokens=2))
+    text_parts = common_pb2.ChatMessage(role=common_pb2.ROLE_USER, parts=[common_pb2.ContentPart(text="Say hi.")])
+    as_parts = await client.generate_group(generate_request(messages=[text_parts], max_tokens=2, seed=1))
+    as_content = await client.generate_group(generate_request(messages=[user("Say hi.")], max_tokens=2, seed=1))
+    assert refused.value.reason == Reason.UNSUPPORTED and "text only" in refused.value.message
+    assert refused.value.metadata["part_kinds"] == "image"
+    assert as_parts.prompt_token_ids == as_content.prompt_token_ids  # text parts read as the content

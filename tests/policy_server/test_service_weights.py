@@ -4,6 +4,7 @@ that leave the old weights serving, and generation running across a swap."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import AsyncIterator, Mapping
 
@@ -17,7 +18,7 @@ from clients.policy_client import (
     generate_request,
     push_weights_to_all,
 )
-from policy_server.weights_stream import header_for
+from policy_server.weights_stream import header_for, weights_sha256
 from sciproto.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -152,3 +153,40 @@ async def test_a_second_concurrent_update_is_refused(client: PolicyClient, serve
     assert caught.value.reason in (Reason.UPDATE_IN_PROGRESS, Reason.STALE_VERSION)
     assert (await client.describe()).policy_version == version
 
+
+
+async def test_update_provenance_is_checked_before_the_swap(client: PolicyClient) -> None:
+    before = await client.generate_group(GREEDY)
+    described = await client.describe()
+    version = described.policy_version + 1
+    weights = parameters_of_seed(SEED + 7)
+    data = b"".join(t.numpy().tobytes() for t in weights.values())
+    right = hashlib.sha256(data).digest()
+
+    def header(**provenance: object) -> policy_pb2.WeightsHeader:
+        built = header_for(weights, version)
+        built.provenance.CopyFrom(policy_pb2.WeightsProvenance(**provenance))
+        return built
+
+    refused = {}
+    for case, bad in {"other model": header(model_id="some-other-model"),
+                      "short checksum": header(sha256=b"\1" * 8),
+                      "wrong checksum": header(sha256=hashlib.sha256(b"other bytes").digest())}.items():
+        with pytest.raises(InvalidArgument) as caught:
+            await raw_update(client, bad, [data[:1000], data[1000:]])
+        refused[case] = caught.value
+    unchanged = await client.describe()
+    after_refusals = await client.generate_group(GREEDY)
+    await raw_update(client, header(model_id=described.model, run_id="run-42", sha256=right), [data])
+    applied = await client.describe()
+    # The client sends the same, with the checksum computed from the tensors.
+    provenance = policy_pb2.WeightsProvenance(model_id=described.model, run_id="run-43",
+                                              sha256=weights_sha256(weights))
+    await client.push_weights(weights, version + 1, chunk_bytes=10_000, provenance=provenance)
+    pushed = await client.describe()
+    assert {case: error.reason for case, error in refused.items()} == dict.fromkeys(refused, Reason.INVALID_WEIGHTS)
+    assert "serves" in refused["other model"].message and "SHA-256" in refused["wrong checksum"].message
+    assert unchanged.policy_version == described.policy_version and unchanged.weights_run_id == described.weights_run_id
+    assert list(after_refusals.samples[0].completion_token_ids) == list(before.samples[0].completion_token_ids)
+    assert (applied.policy_version, applied.weights_run_id) == (version, "run-42")
+    assert weights_sha256(weights) == right and (pushed.policy_version, pushed.weights_run_id) == (version + 1, "run-43")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,13 +103,11 @@ def test_nccl_rendezvous_is_the_worker_init_info():
         NcclRendezvous(master_address="h", master_port=29600, world_size=1)
 
 
-def test_version_spans_from_vllm_labels():
-    spans = [SimpleNamespace(version="default", start=0, end=5), SimpleNamespace(version="3", start=5, end=9)]
-    assert version_spans(spans, 9, 0) == [VersionSpan(0, 5, 0), VersionSpan(5, 9, 3)]
-    assert version_spans(None, 4, 2) == [VersionSpan(0, 4, 2)]
-    assert version_spans(None, 0, 2) == []
-    with pytest.raises(RuntimeError, match="only this backend"):
-        version_spans([SimpleNamespace(version="step-7", start=0, end=1)], 1, 0)
+def test_version_spans_from_marks():
+    assert version_spans([(0, 0), (5, 3)], 9) == [VersionSpan(0, 5, 0), VersionSpan(5, 9, 3)]
+    assert version_spans([(0, 2)], 4) == [VersionSpan(0, 4, 2)]
+    assert version_spans([(0, 2)], 0) == []
+    assert version_spans([(0, 1), (0, 2)], 3) == [VersionSpan(0, 3, 2)]  # an update before any token
 
 
 def test_model_facts_match_the_transformers_backend(model_dir):

@@ -31,12 +31,14 @@ from sciproto.channel import ChannelConfig
 from sciproto.errors import DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from sciproto.pb import common_pb2, policy_pb2
 from sciproto.processes import ServerProcess, sciproto_command, start_server
+from tests.conftest import NOTEBOOK_SANDBOX
 
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY_ARGS = ["serve", "policy", "--model", "tiny", "--set", "weights.chunk_timeout_s=10"]
-NOTEBOOK_ARGS = ["serve", "env", "--env", "notebook", "--port", "0", "--set", "server.grace_period_s=15"]
+NOTEBOOK_ARGS = ["serve", "env", "--env", "notebook", "--port", "0", "--set", "server.grace_period_s=15",
+                 "--set", f"env_options.notebook.sandbox={NOTEBOOK_SANDBOX}"]
 SLOW_CELL_S = 3.0
 INFRA_ERROR = common_pb2.REWARD_STATUS_INFRA_ERROR
 

@@ -327,7 +327,17 @@ function renderMessage(message) {
       el("div", { class: "tool-call-head" }, el("span", { class: "call-label", text: "tool call" }), el("span", { class: "tool-name", text: call.name || "?" }), el("span", { class: "call-id", text: call.id || "" })),
       el("pre", { class: "arguments", text: prettyArguments(call.arguments) })));
   }
-  if (!message.content && !(message.tool_calls || []).length) card.append(el("div", { class: "content empty", text: "(empty)" }));
+  for (const part of message.parts || []) {
+    if (part.type === "image" && /^image\/[\w.+-]+$/.test(part.mime_type || "")) {
+      card.append(el("figure", { class: "image-part" },
+        el("img", { src: `data:${part.mime_type};base64,${part.data_base64 || ""}`, alt: `image (${part.mime_type})` })));
+    } else if (part.type === "file") {
+      card.append(el("div", { class: "file-part", text: `file: ${part.uri}${part.mime_type ? ` (${part.mime_type})` : ""}` }));
+    }
+  }
+  if (!message.content && !(message.tool_calls || []).length && !(message.parts || []).length) {
+    card.append(el("div", { class: "content empty", text: "(empty)" }));
+  }
   return card;
 }
 

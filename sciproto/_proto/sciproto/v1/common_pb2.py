@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sciproto/v1/common.proto\x12\x0bsciproto.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x8e\x01\n\x0b\x43hatMessage\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.sciproto.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.sciproto.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"M\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\xbe\x01\n\x06Reward\x12\r\n\x05value\x18\x01 \x01(\x01\x12\x37\n\ncomponents\x18\x02 \x03(\x0b\x32#.sciproto.v1.Reward.ComponentsEntry\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.sciproto.v1.RewardStatus\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"R\n\rMessageLimits\x12!\n\x19max_receive_message_bytes\x18\x01 \x01(\x04\x12\x1e\n\x16max_send_message_bytes\x18\x02 \x01(\x04\"\xac\x01\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0eserver_version\x18\x02 \x01(\t\x12\x16\n\x0eimplementation\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12*\n\x06limits\x18\x05 \x01(\x0b\x32\x1a.sciproto.v1.MessageLimits\x12\x12\n\nauth_roles\x18\x06 \x03(\t*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*\x82\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14REWARD_STATUS_SCORED\x10\x01\x12\x1a\n\x16REWARD_STATUS_UNSCORED\x10\x02\x12\x1d\n\x19REWARD_STATUS_INFRA_ERROR\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sciproto/v1/common.proto\x12\x0bsciproto.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xb7\x01\n\x0b\x43hatMessage\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.sciproto.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.sciproto.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\'\n\x05parts\x18\x06 \x03(\x0b\x32\x18.sciproto.v1.ContentPart\"t\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.sciproto.v1.ImagePartH\x00\x12$\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x14.sciproto.v1.FileRefH\x00\x42\x06\n\x04part\",\n\tImagePart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"=\n\x07\x46ileRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"M\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"\xeb\x01\n\x06Reward\x12\r\n\x05value\x18\x01 \x01(\x01\x12\x37\n\ncomponents\x18\x02 \x03(\x0b\x32#.sciproto.v1.Reward.ComponentsEntry\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.sciproto.v1.RewardStatus\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12+\n\nprovenance\x18\x05 \x01(\x0b\x32\x17.sciproto.v1.Provenance\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"V\n\nProvenance\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x1b\n\x13\x65nvironment_version\x18\x02 \x01(\t\x12\x16\n\x0egrader_version\x18\x03 \x01(\t\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"R\n\rMessageLimits\x12!\n\x19max_receive_message_bytes\x18\x01 \x01(\x04\x12\x1e\n\x16max_send_message_bytes\x18\x02 \x01(\x04\"\xac\x01\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0eserver_version\x18\x02 \x01(\t\x12\x16\n\x0eimplementation\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12*\n\x06limits\x18\x05 \x01(\x0b\x32\x1a.sciproto.v1.MessageLimits\x12\x12\n\nauth_roles\x18\x06 \x03(\t*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*\x82\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14REWARD_STATUS_SCORED\x10\x01\x12\x1a\n\x16REWARD_STATUS_UNSCORED\x10\x02\x12\x1d\n\x19REWARD_STATUS_INFRA_ERROR\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REWARD_COMPONENTSENTRY']._loaded_options = None
   _globals['_REWARD_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=898
-  _globals['_ROLE']._serialized_end=993
-  _globals['_REWARDSTATUS']._serialized_start=996
-  _globals['_REWARDSTATUS']._serialized_end=1126
+  _globals['_ROLE']._serialized_start=1299
+  _globals['_ROLE']._serialized_end=1394
+  _globals['_REWARDSTATUS']._serialized_start=1397
+  _globals['_REWARDSTATUS']._serialized_end=1527
   _globals['_TOOLCALL']._serialized_start=41
   _globals['_TOOLCALL']._serialized_end=96
   _globals['_CHATMESSAGE']._serialized_start=99
-  _globals['_CHATMESSAGE']._serialized_end=241
-  _globals['_TOOLSPEC']._serialized_start=243
-  _globals['_TOOLSPEC']._serialized_end=320
-  _globals['_REWARD']._serialized_start=323
-  _globals['_REWARD']._serialized_end=513
-  _globals['_REWARD_COMPONENTSENTRY']._serialized_start=464
-  _globals['_REWARD_COMPONENTSENTRY']._serialized_end=513
-  _globals['_VERSIONSPAN']._serialized_start=515
-  _globals['_VERSIONSPAN']._serialized_end=580
-  _globals['_TRACECONTEXT']._serialized_start=582
-  _globals['_TRACECONTEXT']._serialized_end=637
-  _globals['_MESSAGELIMITS']._serialized_start=639
-  _globals['_MESSAGELIMITS']._serialized_end=721
-  _globals['_SERVERINFO']._serialized_start=724
-  _globals['_SERVERINFO']._serialized_end=896
+  _globals['_CHATMESSAGE']._serialized_end=282
+  _globals['_CONTENTPART']._serialized_start=284
+  _globals['_CONTENTPART']._serialized_end=400
+  _globals['_IMAGEPART']._serialized_start=402
+  _globals['_IMAGEPART']._serialized_end=446
+  _globals['_FILEREF']._serialized_start=448
+  _globals['_FILEREF']._serialized_end=509
+  _globals['_TOOLSPEC']._serialized_start=511
+  _globals['_TOOLSPEC']._serialized_end=588
+  _globals['_REWARD']._serialized_start=591
+  _globals['_REWARD']._serialized_end=826
+  _globals['_REWARD_COMPONENTSENTRY']._serialized_start=777
+  _globals['_REWARD_COMPONENTSENTRY']._serialized_end=826
+  _globals['_PROVENANCE']._serialized_start=828
+  _globals['_PROVENANCE']._serialized_end=914
+  _globals['_VERSIONSPAN']._serialized_start=916
+  _globals['_VERSIONSPAN']._serialized_end=981
+  _globals['_TRACECONTEXT']._serialized_start=983
+  _globals['_TRACECONTEXT']._serialized_end=1038
+  _globals['_MESSAGELIMITS']._serialized_start=1040
+  _globals['_MESSAGELIMITS']._serialized_end=1122
+  _globals['_SERVERINFO']._serialized_start=1125
+  _globals['_SERVERINFO']._serialized_end=1297
 # @@protoc_insertion_point(module_scope)

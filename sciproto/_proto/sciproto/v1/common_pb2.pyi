@@ -132,6 +132,7 @@ class ChatMessage(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     role: Global___Role.ValueType
     """Who wrote it."""
     content: _builtins.str
@@ -144,6 +145,15 @@ class ChatMessage(_message.Message):
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """Tool calls made by an assistant message, in the order they were emitted."""
 
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The content as typed parts, in order (protocol 1.2): text, images, file
+        references. When set, `content` holds the text parts joined with newlines, so
+        that a reader of text alone still gets the words; when empty, `content` is the
+        whole message. A policy server that cannot take a part's kind refuses the request
+        (UNIMPLEMENTED, reason UNSUPPORTED) rather than dropping it silently.
+        """
+
     def __init__(
         self,
         *,
@@ -152,14 +162,109 @@ class ChatMessage(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        parts: _abc.Iterable[Global___ContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "parts", b"parts", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ContentPart(_message.Message):
+    """One part of a message's content (protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text."""
+    @_builtins.property
+    def image(self) -> Global___ImagePart:
+        """An image, inline."""
+
+    @_builtins.property
+    def file(self) -> Global___FileRef:
+        """A file the message refers to, by reference."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        image: Global___ImagePart | None = ...,
+        file: Global___FileRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["file", b"file", "image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file", b"file", "image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image", "file"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ContentPart: _TypeAlias = ContentPart  # noqa: Y015
+
+@_typing.final
+class ImagePart(_message.Message):
+    """An image carried in the message (protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    MIME_TYPE_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The encoded image, as its file would hold it."""
+    mime_type: _builtins.str
+    """Its media type, e.g. "image/png" or "image/jpeg"."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        mime_type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "mime_type", b"mime_type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImagePart: _TypeAlias = ImagePart  # noqa: Y015
+
+@_typing.final
+class FileRef(_message.Message):
+    """A file a message refers to without carrying it (protocol 1.2), e.g. a file an
+    environment wrote into the episode's workspace.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    MIME_TYPE_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    """Where the file is: a path inside the episode's workspace, or a URI."""
+    mime_type: _builtins.str
+    """Its media type, when known."""
+    size_bytes: _builtins.int
+    """Its size in bytes, when known."""
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        mime_type: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mime_type", b"mime_type", "size_bytes", b"size_bytes", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileRef: _TypeAlias = FileRef  # noqa: Y015
 
 @_typing.final
 class ToolSpec(_message.Message):
@@ -221,6 +326,7 @@ class Reward(_message.Message):
     COMPONENTS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     value: _builtins.float
     """Total reward, unitless, as the environment defines it."""
     status: Global___RewardStatus.ValueType
@@ -231,6 +337,12 @@ class Reward(_message.Message):
     def components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Named parts that make up `value` (for example "correct", "format")."""
 
+    @_builtins.property
+    def provenance(self) -> Global___Provenance:
+        """Which environment and grader produced this reward (protocol 1.2); unset from
+        1.1 servers.
+        """
+
     def __init__(
         self,
         *,
@@ -238,14 +350,51 @@ class Reward(_message.Message):
         components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         status: Global___RewardStatus.ValueType = ...,
         detail: _builtins.str = ...,
+        provenance: Global___Provenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["components", b"components", "detail", b"detail", "status", b"status", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["components", b"components", "detail", b"detail", "provenance", b"provenance", "status", b"status", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Reward: _TypeAlias = Reward  # noqa: Y015
+
+@_typing.final
+class Provenance(_message.Message):
+    """Versions of what judged an agent (protocol 1.2), so that rewards from different
+    versions of an environment or its grader are never mixed up.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_VERSION_FIELD_NUMBER: _builtins.int
+    GRADER_VERSION_FIELD_NUMBER: _builtins.int
+    environment: _builtins.str
+    """Environment name, as in EnvironmentInfo.name."""
+    environment_version: _builtins.str
+    """Version of the environment (its tasks, tools and dynamics); changes whenever
+    the same actions could lead to different observations.
+    """
+    grader_version: _builtins.str
+    """Version of the grader; changes whenever the same trajectory could get a
+    different reward.
+    """
+    def __init__(
+        self,
+        *,
+        environment: _builtins.str = ...,
+        environment_version: _builtins.str = ...,
+        grader_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment", "environment_version", b"environment_version", "grader_version", b"grader_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Provenance: _TypeAlias = Provenance  # noqa: Y015
 
 @_typing.final
 class VersionSpan(_message.Message):

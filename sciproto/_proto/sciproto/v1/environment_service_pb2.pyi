@@ -95,6 +95,7 @@ class EnvironmentInfo(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SPLITS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name used in ResetRequest.env."""
     description: _builtins.str
@@ -107,6 +108,12 @@ class EnvironmentInfo(_message.Message):
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]:
         """Tools the agent gets (known once an episode of this environment has been reset)."""
 
+    @_builtins.property
+    def provenance(self) -> _common_pb2.Provenance:
+        """Environment and grader versions (protocol 1.2); every Reward of this
+        environment carries the same.
+        """
+
     def __init__(
         self,
         *,
@@ -114,10 +121,11 @@ class EnvironmentInfo(_message.Message):
         description: _builtins.str = ...,
         splits: _abc.Iterable[Global___SplitInfo] | None = ...,
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
+        provenance: _common_pb2.Provenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -170,22 +178,29 @@ class EnvironmentLimits(_message.Message):
     MAX_LIVE_EPISODES_FIELD_NUMBER: _builtins.int
     IDLE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     STEP_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    SESSION_MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     max_live_episodes: _builtins.int
     """Most episodes open at once; Reset beyond it gets RESOURCE_EXHAUSTED with RetryInfo."""
     idle_ttl_seconds: _builtins.float
     """An episode untouched for this many seconds is closed."""
     step_timeout_seconds: _builtins.float
     """A Step that takes longer than this many seconds fails the episode with INFRA_ERROR."""
+    session_max_in_flight: _builtins.int
+    """Most operations one Session stream may have running at once (protocol 1.2). An
+    operation sent beyond it is answered at once, in-band, with RESOURCE_EXHAUSTED
+    (reason TOO_MANY_IN_FLIGHT) and a RetryInfo; cancels do not count. 0: not reported.
+    """
     def __init__(
         self,
         *,
         max_live_episodes: _builtins.int = ...,
         idle_ttl_seconds: _builtins.float = ...,
         step_timeout_seconds: _builtins.float = ...,
+        session_max_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_ttl_seconds", b"idle_ttl_seconds", "max_live_episodes", b"max_live_episodes", "step_timeout_seconds", b"step_timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idle_ttl_seconds", b"idle_ttl_seconds", "max_live_episodes", b"max_live_episodes", "session_max_in_flight", b"session_max_in_flight", "step_timeout_seconds", b"step_timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -416,8 +431,15 @@ class ResetResponse(_message.Message):
     OBSERVATIONS_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     TASK_SUMMARY_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
     episode_id: _builtins.str
     """Id to pass to Step, Verify and Close."""
+    task_id: _builtins.str
+    """Stable identifier of the task (protocol 1.2): the same task gets the same id
+    whatever split or index it is reached by and however the dataset is ordered
+    (a dataset's own id, or a digest of the task's content); inline tasks get a
+    digest of their fields. TaskRef's split and index are positions, not ids.
+    """
     @_builtins.property
     def observations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """First observations (system prompt, task) in order."""
@@ -437,10 +459,11 @@ class ResetResponse(_message.Message):
         observations: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
         task_summary: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        task_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "observations", b"observations", "task_summary", b"task_summary", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "observations", b"observations", "task_id", b"task_id", "task_summary", b"task_summary", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -724,6 +747,7 @@ class SessionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def reset(self) -> Global___ResetRequest:
         """Start an episode."""
@@ -740,6 +764,10 @@ class SessionRequest(_message.Message):
     def close(self) -> Global___CloseRequest:
         """End an episode."""
 
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest:
+        """Stop one operation still running on this stream (protocol 1.2)."""
+
     def __init__(
         self,
         *,
@@ -747,16 +775,74 @@ class SessionRequest(_message.Message):
         step: Global___StepRequest | None = ...,
         verify: Global___VerifyRequest | None = ...,
         close: Global___CloseRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "operation", b"operation", "reset", b"reset", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close"]  # noqa: Y015
+    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "cancel"]  # noqa: Y015
     _WhichOneofArgType_operation: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_operation) -> _WhichOneofReturnType_operation | None: ...
 
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class CancelRequest(_message.Message):
+    """Stops one operation of the same Session stream that has not been answered yet
+    (protocol 1.2). The stopped operation is answered with CANCELLED (reason
+    CANCELLED); a Step stopped while its environment ran ends its episode, which
+    Verify then reports as INFRA_ERROR (a sample to mask, not a wrong answer); a
+    Reset stopped before it answered opens no episode the client can reach (any
+    episode it opened is closed). Cancelling an operation that already finished,
+    or a request_id the stream never carried, changes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TARGET_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Client-chosen id of this cancel; its answer carries it."""
+    target_request_id: _builtins.str
+    """The request_id of the operation to stop."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        target_request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "target_request_id", b"target_request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
+
+@_typing.final
+class CancelResponse(_message.Message):
+    """The answer to a cancel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.bool
+    """True if the operation was still running and has been stopped; false if it had
+    already been answered or was never sent on this stream.
+    """
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class SessionHeartbeat(_message.Message):
@@ -798,6 +884,7 @@ class SessionResponse(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request_id of the operation this answers."""
     episode_id: _builtins.str
@@ -828,6 +915,10 @@ class SessionResponse(_message.Message):
     def heartbeat(self) -> Global___SessionHeartbeat:
         """The operation is still running."""
 
+    @_builtins.property
+    def cancel(self) -> Global___CancelResponse:
+        """Answer to a cancel (protocol 1.2)."""
+
     def __init__(
         self,
         *,
@@ -839,12 +930,13 @@ class SessionResponse(_message.Message):
         close: Global___CloseResponse | None = ...,
         error: _status_pb2.Status | None = ...,
         heartbeat: Global___SessionHeartbeat | None = ...,
+        cancel: Global___CancelResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "error", b"error", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "error", b"error", "heartbeat", b"heartbeat", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "episode_id", b"episode_id", "error", b"error", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "close", b"close", "episode_id", b"episode_id", "error", b"error", "heartbeat", b"heartbeat", "request_id", b"request_id", "reset", b"reset", "result", b"result", "step", b"step", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["reset", "step", "verify", "close", "error", "heartbeat", "cancel"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

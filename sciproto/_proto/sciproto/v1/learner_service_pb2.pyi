@@ -11,6 +11,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.rpc import status_pb2 as _status_pb2
 from sciproto._proto.sciproto.v1 import common_pb2 as _common_pb2
+from sciproto._proto.sciproto.v1 import policy_service_pb2 as _policy_service_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -155,6 +156,8 @@ class Rollout(_message.Message):
     VERSION_SPANS_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
+    TURN_FINISH_REASONS_FIELD_NUMBER: _builtins.int
+    STEP_REWARDS_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """Index of the sample within its group."""
     turns: _builtins.int
@@ -183,6 +186,25 @@ class Rollout(_message.Message):
     def reward(self) -> _common_pb2.Reward:
         """The trajectory's reward."""
 
+    @_builtins.property
+    def turn_finish_reasons(self) -> _containers.RepeatedScalarFieldContainer[_policy_service_pb2.FinishReason.ValueType]:
+        """Why each policy turn ended, in turn order: one entry per Generate whose
+        completion is part of token_ids (from GenerateSample.finish_reason).
+        FINISH_REASON_LENGTH: the completion was cut by its token limit (the
+        request's max_tokens, the trajectory's token budget or the model's
+        context). Empty when the sender does not report finish reasons (protocol
+        1.1 senders).
+        """
+
+    @_builtins.property
+    def step_rewards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The environment's reward of each Step, in step order
+        (StepResponse.reward.value). The trajectory's reward (`reward`) comes
+        from Verify; these are the per-step signals. A Step whose reward status is
+        INFRA_ERROR makes the whole rollout INFRA_ERROR. Empty when the sender does
+        not report them.
+        """
+
     def __init__(
         self,
         *,
@@ -193,10 +215,12 @@ class Rollout(_message.Message):
         version_spans: _abc.Iterable[_common_pb2.VersionSpan] | None = ...,
         reward: _common_pb2.Reward | None = ...,
         turns: _builtins.int = ...,
+        turn_finish_reasons: _abc.Iterable[_policy_service_pb2.FinishReason.ValueType] | None = ...,
+        step_rewards: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "token_ids", b"token_ids", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -158,6 +158,7 @@ class PolicyServiceDescribeResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     SUPPORTS_WEIGHT_UPDATES_FIELD_NUMBER: _builtins.int
     ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_RUN_ID_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or path."""
     backend: _builtins.str
@@ -174,6 +175,10 @@ class PolicyServiceDescribeResponse(_message.Message):
     """Whether UpdateWeights is available (false for the openai adapter)."""
     active_requests: _builtins.int
     """Generate requests running now."""
+    weights_run_id: _builtins.str
+    """WeightsProvenance.run_id of the update serving now; empty for the weights the
+    server started with, or when the update named no run (protocol 1.2).
+    """
     @_builtins.property
     def server(self) -> _common_pb2.ServerInfo:
         """Protocol and server identity."""
@@ -190,10 +195,11 @@ class PolicyServiceDescribeResponse(_message.Message):
         policy_version: _builtins.int = ...,
         supports_weight_updates: _builtins.bool = ...,
         active_requests: _builtins.int = ...,
+        weights_run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "backend", b"backend", "dtype", b"dtype", "max_context_tokens", b"max_context_tokens", "model", b"model", "policy_version", b"policy_version", "quantization", b"quantization", "server", b"server", "supports_weight_updates", b"supports_weight_updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "backend", b"backend", "dtype", b"dtype", "max_context_tokens", b"max_context_tokens", "model", b"model", "policy_version", b"policy_version", "quantization", b"quantization", "server", b"server", "supports_weight_updates", b"supports_weight_updates", "weights_run_id", b"weights_run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -581,6 +587,7 @@ class WeightsHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id."""
     policy_version: _builtins.int
@@ -597,6 +604,12 @@ class WeightsHeader(_message.Message):
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Every tensor of the update, in the order their bytes follow."""
 
+    @_builtins.property
+    def provenance(self) -> Global___WeightsProvenance:
+        """Provenance of the update (protocol 1.2), in its own message so that it can be
+        checked before any data is read.
+        """
+
     def __init__(
         self,
         *,
@@ -606,14 +619,54 @@ class WeightsHeader(_message.Message):
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         total_bytes: _builtins.int = ...,
         transport: Global___WeightTransport.ValueType = ...,
+        provenance: Global___WeightsProvenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["trace_context", b"trace_context"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "request_id", b"request_id", "tensors", b"tensors", "total_bytes", b"total_bytes", "trace_context", b"trace_context", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "provenance", b"provenance", "request_id", b"request_id", "tensors", b"tensors", "total_bytes", b"total_bytes", "trace_context", b"trace_context", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WeightsHeader: _TypeAlias = WeightsHeader  # noqa: Y015
+
+@_typing.final
+class WeightsProvenance(_message.Message):
+    """What a weight update is and where it comes from (protocol 1.2). Every field is
+    optional; a server checks the ones that are set before it swaps, and refuses a
+    mismatch with INVALID_ARGUMENT (reason INVALID_WEIGHTS), the old weights serving on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    model_id: _builtins.str
+    """The model the weights are for, as PolicyServiceDescribeResponse.model; a server
+    serving another model refuses the update before reading any data.
+    """
+    run_id: _builtins.str
+    """The training run that produced the weights (e.g. the learner's run name); the
+    server reports it in PolicyServiceDescribeResponse.weights_run_id once applied.
+    """
+    sha256: _builtins.bytes
+    """SHA-256 (32 bytes) of the concatenated data bytes of the update, in stream order;
+    the server hashes what it receives and refuses the update if they differ.
+    """
+    def __init__(
+        self,
+        *,
+        model_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        sha256: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_id", b"model_id", "run_id", b"run_id", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightsProvenance: _TypeAlias = WeightsProvenance  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsRequest(_message.Message):

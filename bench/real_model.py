@@ -1,0 +1,158 @@
+"""A real pretrained model learns a real task on this machine: held-out pass@1 before and after training.
+
+1. Starts a gsm8k env server and a policy server with the base model (SmolLM2-135M-Instruct),
+   and evaluates it greedily on the first `--limit` tasks of the held-out split (`sciproto eval`'s
+   `clients.eval.evaluate`, with the train config's turn and token budgets).
+2. Stops that policy server and runs `sciproto train --config CONFIG` for `--seconds` (a child
+   process; its screen goes to `<run dir>.train.out`).
+3. Evaluates the run's final checkpoint the same way (a policy server serving its weights).
+
+Output JSON: {"base": {"pass@1", "low", "high", ...}, "trained": {...}, "gain_points": ...,
+"gain_beyond_intervals": trained.low > base.high, "train": {steps, seconds, generation/training
+tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding makes both
+evaluations deterministic for given weights; the training run is seeded (`learner.grpo.seed`,
+`rollout.sampling.seed`) but its timing on a shared machine is not, so two runs differ.
+Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100]
+       [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, serve_checkpoint
+from clients.train import load_train_config
+from sciproto.processes import sciproto_command, start_server
+
+EVAL_SPLIT = "short_test"
+
+
+def eval_config(train_config_name: str, overrides: list[str]) -> EvalConfig:
+    train = load_train_config(train_config_name, overrides)
+    return EvalConfig(max_steps=train.rollout.max_steps, max_tokens=train.rollout.max_tokens,
+                      sampling=train.rollout.sampling.model_copy(update={"seed": 0}), progress=False,
+                      checkpoint=CheckpointServing(model=train.policy.model, dtype=train.policy.dtype))
+
+
+def summary_of(report: EvalReport) -> dict:
+    greedy = report.passes["greedy"]
+    estimate = greedy.pass_at["pass@1"]
+    return {"pass@1": estimate.value, "low": estimate.low, "high": estimate.high, "tasks": estimate.tasks,
+            "mean_reward": greedy.mean_reward, "end_reasons": greedy.end_reasons,
+            "completion_tokens_mean": greedy.completion_tokens.mean, "policy": report.policy,
+            "policy_version": report.policy_version, "eval_seconds": report.seconds}
+
+
+async def evaluate_base(env_target: str, config: EvalConfig, limit: int, tasks: str, output: Path) -> EvalReport:
+    policy = await asyncio.to_thread(start_server, ["serve", "policy", "--model", config.checkpoint.model or "smollm2",
+                                                    "--port", "0", "--set", f"dtype={config.checkpoint.dtype}"],
+                                     timeout_s=600, log_file=output.with_name(output.stem + ".base-policy.log"))
+    try:
+        return await evaluate([env_target], [policy.target], tasks, limit=limit, greedy=True, samples=0,
+                              concurrency=32, config=config, output=output)
+    finally:
+        await asyncio.to_thread(policy.stop, 60)
+
+
+async def evaluate_checkpoint(env_target: str, checkpoint: Path, config: EvalConfig, limit: int, tasks: str,
+                              output: Path) -> EvalReport:
+    async with serve_checkpoint(checkpoint, config.checkpoint, output.with_name(output.stem + ".policy.log")) as (
+            target, label):
+        return await evaluate([env_target], [target], tasks, limit=limit, greedy=True, samples=0, concurrency=32,
+                              config=config, output=output, policy_label=label)
+
+
+def train_figures(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+
+    def mean_of(key: str) -> float | None:
+        values = [m[key] for m in metrics if isinstance(m.get(key), int | float)]
+        return round(statistics.fmean(values), 2) if values else None
+
+    steps = summary.get("steps", [])
+    return {"steps": len(steps), "seconds": round(summary.get("seconds", 0.0), 1),
+            "stopped_by": summary.get("stopped_by"), "groups_generated": summary.get("groups_generated"),
+            "first_step_s": steps[0]["seconds"] if steps else None,
+            "reward_first_step": steps[0]["reward_mean"] if steps else None,
+            "reward_last_steps": round(statistics.fmean(s["reward_mean"] for s in steps[-3:]), 4) if steps else None,
+            "generation_tokens_per_s": round(summary.get("tokens_per_s", 0.0), 2),
+            "generation_tokens_per_s_learner_mean": mean_of("tokens_per_s_generation"),
+            "training_tokens_per_s_mean": mean_of("tokens_per_s_training"),
+            "checkpoint": summary.get("checkpoint"), "run_dir": str(run_dir)}
+
+
+def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, seed: int, overrides: list[str]) -> Path:
+    run_dir = runs_dir / run_name
+    command = sciproto_command("train", "--config", config, "--set", f"run.name={run_name}",
+                               "--set", f"run.dir={runs_dir}", "--set", f"budget.max_seconds={seconds}",
+                               "--set", f"learner.grpo.seed={seed}", "--set", f"rollout.sampling.seed={seed}",
+                               *(arg for o in overrides for arg in ("--set", o)))
+    screen = runs_dir / f"{run_name}.train.out"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with screen.open("w") as out:
+        # The budget stops the run; the slack covers server start-up and the final checkpoint.
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=seconds + 1200, check=True)
+    return run_dir
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    config = eval_config(args.config, args.overrides)
+    tasks = f"gsm8k:{EVAL_SPLIT}"
+    out_dir = args.runs_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_name = args.run_name or f"real-model-{int(time.time())}"
+    env = await asyncio.to_thread(start_server, ["serve", "env", "--env", "gsm8k", "--port", "0"], timeout_s=300)
+    try:
+        if args.base_report:
+            base = EvalReport.model_validate_json(args.base_report.read_text())
+        else:
+            base = await evaluate_base(env.target, config, args.limit, tasks, out_dir / f"{run_name}.base-eval.json")
+            (out_dir / f"{run_name}.base-eval.json").write_text(base.model_dump_json(by_alias=True, indent=2))
+        run_dir = await asyncio.to_thread(run_training, args.config, args.seconds, run_name, out_dir, args.seed,
+                                          args.overrides)
+        figures = train_figures(run_dir)
+        trained = await evaluate_checkpoint(env.target, Path(figures["checkpoint"]), config, args.limit, tasks,
+                                            out_dir / f"{run_name}.trained-eval.json")
+        (out_dir / f"{run_name}.trained-eval.json").write_text(trained.model_dump_json(by_alias=True, indent=2))
+    finally:
+        await asyncio.to_thread(env.stop, 30)
+    before, after = summary_of(base), summary_of(trained)
+    return {"config": args.config, "eval_tasks": f"{tasks} (first {args.limit}, greedy)", "seed": args.seed,
+            "train_budget_s": args.seconds, "base": before, "trained": after,
+            "gain_points": round(100 * (after["pass@1"] - before["pass@1"]), 1),
+            "gain_beyond_intervals": after["low"] > before["high"],
+            "ratio_trained_over_base": round(after["pass@1"] / before["pass@1"], 3) if before["pass@1"] else None,
+            "train": figures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="arith_smollm2_cpu")
+    parser.add_argument("--seconds", type=float, default=1800.0, help="Training budget (wall clock)")
+    parser.add_argument("--limit", type=int, default=100, help="Held-out tasks evaluated")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    parser.add_argument("--run-name", default=None)
+    parser.add_argument("--base-report", type=Path, default=None, help="Reuse this base evaluation (JSON)")
+    parser.add_argument("--output", type=Path, default=None, help="Also write the JSON here")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="Train config override")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

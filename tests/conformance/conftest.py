@@ -1,0 +1,76 @@
+"""Servers the conformance kit is run against, each a separate process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sciproto.processes import ServerProcess, sciproto_command, start_command, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+LOG_DIR = ROOT / ".test-artifacts"
+NODE_SERVER = ROOT / "env_servers" / "node" / "server.js"
+
+
+def has_node() -> bool:
+    return shutil.which("node") is not None and (ROOT / "node_modules" / "@grpc" / "grpc-js").is_dir()
+
+
+def run_kit(kind: str, target: str, *options: str, timeout_s: float = 240) -> tuple[int, dict]:
+    """`sciproto conformance KIND TARGET --json`: its exit code and its report."""
+    result = subprocess.run([*sciproto_command("conformance", kind, target, "--json", *options)],
+                            capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"the kit printed no JSON report (exit {result.returncode}):\n"
+                             f"{result.stdout}\n{result.stderr}") from None
+    return result.returncode, report
+
+
+def outcomes(report: dict) -> dict[str, str]:
+    return {check["name"]: check["outcome"] for check in report["checks"]}
+
+
+def serve(name: str, command: list[str]) -> Iterator[ServerProcess]:
+    LOG_DIR.mkdir(exist_ok=True)
+    server = start_command(command, timeout_s=120, log_file=LOG_DIR / f"conformance-{name}.log", cwd=ROOT)
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=15)
+
+
+@pytest.fixture(scope="module")
+def python_env_server() -> Iterator[ServerProcess]:
+    yield from serve("python-env", sciproto_command("serve", "env", "--env", "toy", "--port", "0",
+                                                    "--set", "max_live_episodes=8",
+                                                    "--set", "heartbeat_interval_s=0.2"))
+
+
+@pytest.fixture(scope="module")
+def node_env_server() -> Iterator[ServerProcess]:
+    if not has_node():
+        pytest.skip("needs Node.js and `npm ci` (scripts/setup-venv.sh runs it)")
+    yield from serve("node-env", ["node", str(NODE_SERVER), "--port", "0", "--max-live-episodes", "8"])
+
+
+@pytest.fixture(scope="module")
+def policy_server() -> Iterator[ServerProcess]:
+    LOG_DIR.mkdir(exist_ok=True)
+    server = start_server(["serve", "policy", "--model", "tiny", "--port", "0", "--set", "default_max_tokens=8"],
+                          timeout_s=180, log_file=LOG_DIR / "conformance-policy.log")
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=15)
+
+
+def broken_env_server(fault: str) -> Iterator[ServerProcess]:
+    yield from serve(f"broken-{fault}", [sys.executable, "-m", "tests.conformance.broken_env_server", fault])

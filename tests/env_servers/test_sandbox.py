@@ -1,0 +1,211 @@
+"""The sandbox module and the sandboxed kernel on their own, and how the server starts (or
+refuses to start) the notebook environment with and without bwrap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aviary.core import ToolCall, ToolRequestMessage
+
+from clients.env_client import EnvClient
+from env_servers.catalog import load_source
+from env_servers.envs.kernel import CellLimits, SandboxedKernel
+from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
+from sciproto.processes import ServerProcess, sciproto_command
+from tests.conftest import BWRAP_PROBLEM
+from tests.env_servers.conftest import serve_env
+
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"no working bwrap: {BWRAP_PROBLEM}")
+
+
+@pytest.fixture
+def workspace() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="sandbox-test-"))
+    (path / "data.csv").write_text("a,b\n1,2\n")
+    try:
+        yield path
+    finally:
+        subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+async def run_python(sandbox: Sandbox, code: str, timeout_s: float = 30) -> dict:
+    """Run `code` (which fills `seen`) in `sandbox`; what it wrote to its workspace."""
+    report = sandbox.workspace / "seen.json"
+    wrapped = ("import json, os, resource\nseen = {}\n" + code
+               + f"\nopen({str(report)!r}, 'w').write(json.dumps(seen))")
+    process = await sandbox.start([sandbox_python(), "-c", wrapped])
+    try:
+        await asyncio.wait_for(process.process.wait(), timeout_s)
+    finally:
+        await process.kill()
+    assert process.returncode == 0, f"the sandboxed command exited with {process.returncode}"
+    return json.loads(report.read_text())
+
+
+@needs_bwrap
+async def test_a_sandboxed_command_sees_its_workspace_and_the_python_install_only(workspace: Path) -> None:
+    sandbox = Sandbox(workspace, SandboxLimits())
+    try:
+        seen = await run_python(sandbox, (
+            "seen['root'] = sorted(os.listdir('/'))\n"
+            "seen['cwd'] = os.getcwd()\n"
+            "seen['data'] = open('data.csv').read()\n"
+            "seen['env'] = sorted(os.environ)\n"
+            "seen['uid'] = os.getuid()\n"
+            "try:\n"
+            "    open('/usr/escaped', 'w')\n"
+            "    seen['usr'] = 'written'\n"
+            "except OSError as error:\n"
+            "    seen['usr'] = type(error).__name__\n"
+            "import pandas\n"
+            "seen['pandas'] = pandas.__version__"))
+    finally:
+        sandbox.remove()
+    assert seen["cwd"] == str(workspace) and seen["data"] == "a,b\n1,2\n"
+    # The top of the tree: what the Python installation needs, and /dev, /proc, /tmp.
+    needed = {Path(p).resolve().parts[1] for p in (sys.base_prefix, sys.prefix, *site.getsitepackages())}
+    assert set(seen["root"]) <= needed | {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc",
+                                          "sbin", "tmp", "usr"}, seen["root"]
+    assert not any("TOKEN" in name or "PYTHONPATH" == name for name in seen["env"])
+    assert seen["usr"] in {"OSError", "PermissionError"}
+    assert seen["pandas"]
+    if os.geteuid() == 0:
+        assert seen["uid"] == sandbox.uid != 0  # a root server's sandbox runs as a user id of its own
+    assert not sandbox.runtime_dir.exists()
+
+
+@needs_bwrap
+async def test_limits_are_set_inside_and_a_file_over_the_size_limit_is_refused(workspace: Path) -> None:
+    limits = SandboxLimits(memory_mb=1024, max_processes=32, max_file_mb=1, cpu_seconds=100)
+    sandbox = Sandbox(workspace, limits)
+    try:
+        seen = await run_python(sandbox, (
+            "seen['as'] = resource.getrlimit(resource.RLIMIT_AS)[0]\n"
+            "seen['nproc'] = resource.getrlimit(resource.RLIMIT_NPROC)[0]\n"
+            "seen['cpu'] = resource.getrlimit(resource.RLIMIT_CPU)[0]\n"
+            "try:\n"
+            "    open('big.bin', 'wb').write(b'x' * (2 << 20))\n"
+            "    seen['big'] = 'written'\n"
+            "except OSError as error:\n"
+            "    seen['big'] = error.errno\n"
+            "import errno\n"
+            "seen['efbig'] = errno.EFBIG"))
+    finally:
+        sandbox.remove()
+    assert (seen["as"], seen["nproc"], seen["cpu"]) == (1024 << 20, 32, 100)
+    assert seen["big"] == seen["efbig"]
+
+
+@needs_bwrap
+async def test_killing_a_sandbox_ends_every_process_in_it(workspace: Path) -> None:
+    sandbox = Sandbox(workspace, SandboxLimits())
+    process = await sandbox.start([sandbox_python(), "-c", (
+        "import subprocess, time\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "open('started', 'w').close()\n"
+        "time.sleep(300)")])
+    try:
+        deadline = time.monotonic() + 30
+        while not (workspace / "started").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        inside = [pid for pid in _pids() if _cwd(pid) == str(workspace)]
+        assert len(inside) >= 2  # the python and its detached sleep
+        await process.kill()
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid in inside if _alive(pid)]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await process.kill()
+        sandbox.remove()
+    assert left == []
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cwd(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+async def test_kernel_cpu_budget_output_cap_and_death(workspace: Path, mode: str) -> None:
+    sandbox = Sandbox(workspace, SandboxLimits(), mode)  # type: ignore[arg-type]
+    kernel = await SandboxedKernel.start(sandbox)
+    try:
+        spin = await kernel.run_cell("while True:\n    pass", CellLimits(wall_s=60, cpu_s=1, max_output_chars=1000))
+        after = await kernel.run_cell("x = 6 * 7\nprint(x)", CellLimits(wall_s=30, cpu_s=30, max_output_chars=1000))
+        loud = await kernel.run_cell("print('y' * 5000)", CellLimits(wall_s=30, cpu_s=30, max_output_chars=1000))
+        died = await kernel.run_cell("import os\nos._exit(3)", CellLimits(wall_s=30, cpu_s=30, max_output_chars=1000))
+        fresh = await kernel.run_cell("print('x' in dir())", CellLimits(wall_s=30, cpu_s=30, max_output_chars=1000))
+    finally:
+        await kernel.stop()
+        sandbox.remove()
+    assert spin.stopped is not None and "CPU time limit of 1 s" in spin.stopped and not spin.restarted
+    assert [o["text"] for o in after.outputs] == ["42\n"]
+    assert loud.outputs[0]["text"] == "y" * 1000 and "output cut" in loud.outputs[-1]["text"]
+    assert died.stopped is not None and "exit status 3" in died.stopped and died.restarted
+    assert [o["text"] for o in fresh.outputs] == ["False\n"]  # a fresh kernel: x is gone
+
+
+@needs_bwrap
+async def test_a_workspace_over_its_limit_ends_the_episode() -> None:
+    source = load_source("notebook", {"workspace_mb": "1"})
+    env = await source.make("test", 0)
+    await env.reset()
+    try:
+        code = "for i in range(3):\n    open(f'fill{i}.bin', 'wb').write(b'x' * 500_000)"
+        observations, reward, done, _ = await env.step(_edit_cell(code))
+    finally:
+        await env.close()
+    assert done and reward == 0.0
+    assert "more than its limit of 1 MiB" in observations[0].content
+
+
+def _edit_cell(code: str) -> ToolRequestMessage:
+    return ToolRequestMessage(tool_calls=[ToolCall.from_name("edit_cell", contents=code)])
+
+
+def test_the_server_refuses_the_notebook_env_without_bwrap_and_names_the_fix(tmp_path: Path) -> None:
+    # A PATH with this interpreter and nothing else: no bwrap.
+    (tmp_path / "python").symlink_to(sys.executable)
+    environment = {**os.environ, "PATH": str(tmp_path)}
+    result = subprocess.run(sciproto_command("serve", "env", "--env", "notebook", "--port", "0"),
+                            env=environment, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "bubblewrap" in result.stderr and "sandbox: none" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def unsandboxed_server() -> Iterator[ServerProcess]:
+    yield from serve_env("sandbox-none", "envs=[notebook]", "env_options.notebook.sandbox=none")
+
+
+async def test_sandbox_none_is_a_warning_at_start_and_shown_in_describe(unsandboxed_server: ServerProcess) -> None:
+    async with EnvClient(unsandboxed_server.target) as client:
+        described = await client.describe()
+    description = {env.name: env.description for env in described.environments}["notebook"]
+    assert "sandbox: none" in description and "unsandboxed" in description
+    assert any("sandbox: none: agent code runs unsandboxed" in line for line in unsandboxed_server.output)

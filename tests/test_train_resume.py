@@ -1,0 +1,72 @@
+"""`sciproto train` reruns: resume by default, `--fresh` to start over, the step budget exact, no
+checkpoint from a run that made no step. Real processes, the demo config made small."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sciproto.processes import sciproto_command
+
+SMALL = ["--set", "progress=false", "--set", "learner.batch_groups=4", "--set", "rollout.samples=4",
+         "--set", "budget.target_reward=null"]
+
+
+def train(tmp_path: Path, run_name: str, *args: str) -> dict:
+    """Run `sciproto train` to its end; the summary it wrote in tmp_path/run_name."""
+    command = sciproto_command("train", "--config", "demo", "--set", f"run.dir={tmp_path}",
+                               "--set", "run.name=r", *SMALL, *args)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False,
+                            env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = tmp_path / run_name / "summary.json"
+    assert summary.is_file(), f"no {summary}; output:\n{result.stderr[-3000:]}"
+    return json.loads(summary.read_text())
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_rerun_resumes_with_new_groups_only_and_fresh_starts_over(tmp_path: Path) -> None:
+    first = train(tmp_path, "r", "--set", "budget.max_steps=2")
+    run_dir = tmp_path / "r"
+    assert first["run_dir"] == str(run_dir)
+    assert [s["step"] for s in first["steps"]] == [1, 2]
+    assert checkpoint_steps(run_dir) == [2], "max_steps=2 trains exactly 2 steps"
+
+    second = train(tmp_path, "r", "--set", "budget.max_steps=4")
+    assert second["run_dir"] == str(run_dir), "a rerun continues the run that holds a checkpoint"
+    assert [s["step"] for s in second["steps"]] == [3, 4]
+    assert "duplicate" not in second["groups_refused"], second["groups_refused"]
+    assert checkpoint_steps(run_dir) == [2, 4], "the budget is exact: no fifth step"
+    metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [1, 2, 3, 4]
+    state = json.loads((run_dir / "checkpoints" / "step_00000004" / "learner_state.json").read_text())
+    assert len(state["trained_group_ids"]) == 16 == len(set(state["trained_group_ids"]))
+
+    # --fresh: a new directory; a budget too short for a single step leaves no checkpoint.
+    third = train(tmp_path, "r-2", "--fresh", "--set", "budget.max_seconds=0.5", "--set", "learner.batch_groups=64",
+                  "--set", "learner.buffer_capacity=64")
+    assert third["run_dir"] == str(tmp_path / "r-2")
+    assert third["steps"] == []
+    assert checkpoint_steps(tmp_path / "r-2") == [], "no checkpoint of the unchanged base model"
+    assert third["checkpoint"] == ""
+
+
+def test_resume_point_continues_after_the_trained_groups() -> None:
+    from clients.resume import ResumePoint, resume_point
+    from clients.rollouts import TaskKey
+
+    trained = ["toy/train/0#0", "toy/train/1#0", "toy/train/0#1", "gsm8k/test/5#3", "toy/other/2#0"]
+    point = resume_point(trained, "toy", "train", size=2)
+    assert point == ResumePoint(start=3, epochs={TaskKey("toy", "train", 0): 2, TaskKey("toy", "train", 1): 1},
+                                trained=3)
+    unbounded = resume_point(["toy/train/7#0", "toy/train/3#0"], "toy", "train", size=None)
+    assert unbounded.start == 8
