@@ -10,6 +10,7 @@ side by side in one run, each server in its own process:
   env_client     sciproto `EnvClient` through a `ReplicaPool`, what `sciproto collect` uses
   transport_echo a bare grpc.aio Session that answers every step with an empty response (the
                  transport's floor: no environment, no checks)
+  unary_echo     the same server's bare unary Step: the floor of one RPC per operation
 
 NeMo Gym's Aviary resources server is not run: every nemo-gym release on PyPI needs
 Python >= 3.12 (this project supports 3.11).
@@ -29,7 +30,11 @@ Prints JSON (to stdout, and `--output`) with the ratios of the goals:
   unary, env_client steps/s / session steps/s     at 64 and 256   (goal >= 0.85)
   2 workers / 1 worker env_client steps/s         at 256          (goal >= 1.5)
 
-    python bench/env_step.py [--seconds 3] [--concurrency 1,64,256] [--workers 1,2] [--repeat 1]
+Each point is measured in `--slices` slices with the systems taking turns, so that the load of
+a shared machine falls on all of them alike.
+
+    python bench/env_step.py [--seconds 3] [--slices 3] [--concurrency 1,64,256] [--workers 1,2]
+                             [--repeat 1] [--output FILE]
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,13 +74,32 @@ def progress(message: str) -> None:
 
 @dataclass
 class Window:
-    """What the episode loops recorded while one point was measured."""
+    """What the episode loops of one system recorded at one concurrency, over all its slices."""
 
     step_latencies_s: list[float] = field(default_factory=list)
     episodes: int = 0
+    elapsed_s: float = 0.0
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+
+    def figures(self, has_server: bool) -> dict[str, Any]:
+        ordered = sorted(self.step_latencies_s)
+        steps = len(ordered)
+        figures = {
+            "step_p50_ms": round(statistics.median(ordered) * 1e3, 3),
+            "step_p99_ms": round(ordered[min(steps - 1, int(0.99 * steps))] * 1e3, 3),
+            "steps_per_s": round(steps / self.elapsed_s, 1),
+            "episodes_per_s": round(self.episodes / self.elapsed_s, 1),
+            "steps": steps,
+            "client_cpu_ms_per_step": round(self.client_cpu_s / steps * 1e3, 3),
+        }
+        if has_server:
+            figures["server_cpu_ms_per_step"] = round(self.server_cpu_s / steps * 1e3, 3)
+            figures["server_cpu_cores"] = round(self.server_cpu_s / self.elapsed_s, 2)
+        return figures
 
 
-def cpu_seconds(processes: list[psutil.Process]) -> float:
+def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
     """User + system CPU time of `processes` and all their children (worker processes)."""
     total = 0.0
     for process in processes:
@@ -88,10 +112,8 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
-async def measure(system: System, concurrency: int, seconds: float) -> dict[str, Any]:
-    """`concurrency` loops of whole episodes for `seconds`, after one warm-up episode each."""
-    await asyncio.gather(*(system.episode(i, Window()) for i in range(concurrency)))
-    window = Window()
+async def measure(system: System, concurrency: int, seconds: float, window: Window) -> None:
+    """Add to `window`: `concurrency` loops of whole episodes for `seconds` (one slice)."""
     stop_at = time.perf_counter() + seconds
 
     async def loop(worker: int) -> None:
@@ -104,30 +126,21 @@ async def measure(system: System, concurrency: int, seconds: float) -> dict[str,
     own_before = time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(loop(worker) for worker in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    cpu = cpu_seconds(system.servers) - cpu_before
-    own = time.process_time() - own_before
-    ordered = sorted(window.step_latencies_s)
-    steps = len(ordered)
-    figures = {
-        "step_p50_ms": round(statistics.median(ordered) * 1e3, 3),
-        "step_p99_ms": round(ordered[min(steps - 1, int(0.99 * steps))] * 1e3, 3),
-        "steps_per_s": round(steps / elapsed, 1),
-        "episodes_per_s": round(window.episodes / elapsed, 1),
-        "steps": steps,
-        "client_cpu_ms_per_step": round(own / steps * 1e3, 3),
-    }
-    if system.servers:
-        figures["server_cpu_ms_per_step"] = round(cpu / steps * 1e3, 3)
-        figures["server_cpu_cores"] = round(cpu / elapsed, 2)
-    return figures
+    window.elapsed_s += time.perf_counter() - started
+    window.server_cpu_s += cpu_seconds(system.servers) - cpu_before
+    window.client_cpu_s += time.process_time() - own_before
+
+
+async def warm_up(system: System, concurrency: int) -> None:
+    """One episode per loop, not measured (datasets load, connections open)."""
+    await asyncio.gather(*(system.episode(i, Window()) for i in range(concurrency)))
 
 
 class System:
     """One way of running episodes. `servers`: the processes whose CPU counts as the server's."""
 
     name: str
-    servers: list[psutil.Process] = []
+    servers: Sequence[psutil.Process] = ()
 
     async def start(self) -> None:
         pass
@@ -396,6 +409,32 @@ class TransportEcho(System):
         await self.channel.close()
 
 
+class UnaryEcho(System):
+    """Unary Step calls to the echo server: the floor of one RPC per operation."""
+
+    name = "unary_echo"
+
+    def __init__(self, target: str, server: psutil.Process) -> None:
+        self.target, self.servers = target, [server]
+
+    async def start(self) -> None:
+        import grpc
+
+        from sciproto.pb import env_grpc
+
+        self.requests = _Requests()
+        self.channel = grpc.aio.insecure_channel(self.target)
+        self.stub = env_grpc.EnvironmentServiceStub(self.channel)
+
+    async def episode(self, index: int, window: Window) -> None:
+        for action in (self.requests.calculate, self.requests.submit):
+            await timed(window, self.stub.Step(self.requests.step("echo", action)))
+        window.episodes += 1
+
+    async def stop(self) -> None:
+        await self.channel.close()
+
+
 # ---------------------------------------------------------------- servers
 
 
@@ -409,6 +448,9 @@ def serve_transport_echo() -> None:
         async def Session(self, requests: Any, context: Any) -> Any:
             async for request in requests:
                 yield env_pb2.SessionResponse(request_id=request.step.request_id, step=env_pb2.StepResponse())
+
+        async def Step(self, request: Any, context: Any) -> Any:
+            return env_pb2.StepResponse()
 
     async def run() -> None:
         server = grpc.aio.server()
@@ -461,7 +503,7 @@ def worker_targets(server: Any) -> list[str]:
 # ---------------------------------------------------------------- the run
 
 
-async def run_all(seconds: float, concurrencies: list[int], workers: list[int],
+async def run_all(seconds: float, concurrencies: list[int], workers: list[int], slices: int,
                   only: set[str] | None = None) -> dict[str, Any]:
     from sciproto.processes import start_command, start_server
 
@@ -476,6 +518,7 @@ async def run_all(seconds: float, concurrencies: list[int], workers: list[int],
         server = [psutil.Process(ours.process.pid)]
         systems: list[System] = [
             TransportEcho(echo.target, psutil.Process(echo.process.pid)),
+            UnaryEcho(echo.target, psutil.Process(echo.process.pid)),
             InProcess(),
             AviaryHttp(f"http://127.0.0.1:{aviary.port}", psutil.Process(aviary.process.pid)),
             Session([ours.target], server),
@@ -491,13 +534,21 @@ async def run_all(seconds: float, concurrencies: list[int], workers: list[int],
         for system in systems:
             await system.start()
         for concurrency in concurrencies:
-            for system in systems:
-                if system.name.endswith("_workers") and concurrency != max(concurrencies):
-                    continue
-                figures = await measure(system, concurrency, seconds)
+            here = [system for system in systems
+                    if not system.name.endswith("_workers") or concurrency == max(concurrencies)]
+            windows = {system.name: Window() for system in here}
+            for system in here:
+                await warm_up(system, concurrency)
+            # Slices taken in turn: a change in the machine's load (it is shared) falls on every
+            # system alike instead of on whichever was measured at that moment.
+            for _ in range(slices):
+                for system in here:
+                    await measure(system, concurrency, seconds / slices, windows[system.name])
+            for system in here:
+                figures = windows[system.name].figures(bool(system.servers))
                 results[system.name][str(concurrency)] = figures
                 cpu = figures.get("server_cpu_ms_per_step")
-                progress(f"{system.name:>18} x{concurrency:<4} p50 {figures['step_p50_ms']:8.3f} ms  "
+                progress(f"{system.name:>20} x{concurrency:<4} p50 {figures['step_p50_ms']:8.3f} ms  "
                          f"{figures['steps_per_s']:8.1f} steps/s  server CPU "
                          f"{f'{cpu:.3f} ms/step' if cpu is not None else '-'}")
         for system in systems:
@@ -558,6 +609,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64,256", help="concurrent episodes, comma-separated")
     parser.add_argument("--workers", default="1", help="worker counts for the scaling row, e.g. 1,2")
     parser.add_argument("--repeat", type=int, default=1, help="run everything this many times")
+    parser.add_argument("--slices", type=int, default=3,
+                        help="each point is measured in this many slices, the systems taking turns")
     parser.add_argument("--output", type=Path, help="also write the JSON report here")
     parser.add_argument("--systems", help="only these rows, comma-separated (no ratios): for profiling")
     parser.add_argument("--serve-aviary-http", action="store_true", help=argparse.SUPPRESS)
@@ -573,18 +626,19 @@ def main() -> None:
     workers = sorted(int(n) for n in args.workers.split(","))
     if args.systems:
         only = set(args.systems.split(","))
-        print(json.dumps(asyncio.run(run_all(args.seconds, concurrencies, workers, only)), indent=2))
+        print(json.dumps(asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices, only)), indent=2))
         return
     runs = []
     for repeat in range(args.repeat):
         progress(f"run {repeat + 1} of {args.repeat}")
-        results = asyncio.run(run_all(args.seconds, concurrencies, workers))
+        results = asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices))
         ratio = ratios(results, concurrencies, workers)
         runs.append({"results": results, "ratios": ratio, "goals_met": goals(ratio, concurrencies, workers)})
     report = {
         "benchmark": "env_step",
         "episode": f"gsm8k test problem i % {TASKS}: reset, calculator({EXPRESSION!r}), submit_answer, close",
         "seconds_per_point": args.seconds,
+        "slices_per_point": args.slices,
         "cpus": os.cpu_count(),
         "not_run": {"nemo_gym": "every nemo-gym release on PyPI needs Python >= 3.12; this runs on "
                                 f"{sys.version_info.major}.{sys.version_info.minor}"},

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import random
@@ -163,7 +164,10 @@ def learner_check(config: dict, device: str, precisions: list[str], steps: int, 
     for precision in precisions:
         trainer = GRPOTrainer(copy.deepcopy(fp32), GRPOConfig(
             precision=precision, lr=1e-5, micro_batch_tokens=groups_n * samples_n * (prompt + completion)))
-        mismatch = torch.exp((token_logprobs(trainer.model, eval_ids) - reference).abs()).mean().item()
+        compute = getattr(trainer, "compute", None)  # the trainer's forward precision (bf16 autocast), if it has one
+        with compute() if compute is not None else contextlib.nullcontext():
+            logprobs = token_logprobs(trainer.model, eval_ids)
+        mismatch = torch.exp((logprobs - reference).abs()).mean().item()
         times = []
         for _ in range(steps):
             synchronize(device)

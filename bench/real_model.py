@@ -120,12 +120,20 @@ async def main_async(args: argparse.Namespace) -> dict:
         run_dir = await asyncio.to_thread(run_training, args.config, args.seconds, run_name, out_dir, args.seed,
                                           args.overrides)
         figures = train_figures(run_dir)
-        trained = await evaluate_checkpoint(env.target, Path(figures["checkpoint"]), config, args.limit, tasks,
-                                            out_dir / f"{run_name}.trained-eval.json")
-        (out_dir / f"{run_name}.trained-eval.json").write_text(trained.model_dump_json(by_alias=True, indent=2))
+        trained = None
+        if figures["checkpoint"]:  # a run that took no optimizer step saves none: nothing to compare
+            trained = await evaluate_checkpoint(env.target, Path(figures["checkpoint"]), config, args.limit, tasks,
+                                                out_dir / f"{run_name}.trained-eval.json")
+            (out_dir / f"{run_name}.trained-eval.json").write_text(trained.model_dump_json(by_alias=True, indent=2))
     finally:
         await asyncio.to_thread(env.stop, 30)
-    before, after = summary_of(base), summary_of(trained)
+    before = summary_of(base)
+    if trained is None:
+        return {"config": args.config, "eval_tasks": f"{tasks} (first {args.limit}, greedy)", "seed": args.seed,
+                "train_budget_s": args.seconds, "base": before, "trained": None,
+                "note": "the run took no optimizer step (no checkpoint): the trained model is the base model",
+                "train": figures}
+    after = summary_of(trained)
     return {"config": args.config, "eval_tasks": f"{tasks} (first {args.limit}, greedy)", "seed": args.seed,
             "train_budget_s": args.seconds, "base": before, "trained": after,
             "gain_points": round(100 * (after["pass@1"] - before["pass@1"]), 1),

@@ -238,6 +238,15 @@ class SharedFirstTurn:
                 if not future.done():
                     future.set_exception(error)
             return
+        except asyncio.CancelledError:
+            # Cancelled from outside (a replica's channel closed under the call): every waiter
+            # must still hear of it, or its episode waits for ever.
+            for _, future in waiters:
+                if not future.done():
+                    future.set_exception(Unavailable(
+                        "the first-turn Generate was cancelled (its policy server went away)",
+                        Reason.SHUTTING_DOWN))
+            raise
         for (_, future), sample in zip(waiters, group.samples):
             if not future.done():
                 future.set_result(Completion(group.prompt_token_ids, sample))

@@ -35,6 +35,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def trained_steps(run_dir: Path) -> int:
+    """The optimizer step of the latest complete checkpoint (0 without one)."""
+    checkpoint = latest_checkpoint(run_dir)
+    return int(checkpoint.name.removeprefix("step_")) if checkpoint else 0
+
+
 def choose_run_dir(parent: Path, name: str, resume: bool) -> Path:
     """With `resume`, the latest directory of this name that holds a checkpoint (`<name>`, or its
     highest-numbered `<name>-N`); otherwise, or when none does, `<name>` if it is free, else the
@@ -99,4 +105,5 @@ def resume_point(group_ids: Iterable[str], env: str, split: str, size: int | Non
     return point
 
 
-__all__ = ["ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids"]
+__all__ = ["ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids",
+           "trained_steps"]

@@ -630,6 +630,10 @@ async def final_checkpoint(
 def train(config: TrainConfig) -> TrainOutcome:
     """Run a whole training job (see the module docstring) and return what it did."""
     run_dir = choose_run_dir(config.run)
+    done, limit = resume.trained_steps(run_dir), config.budget.max_steps
+    if limit is not None and done >= limit:
+        raise ConfigError(f"{run_dir} has trained {done} steps already (budget.max_steps={limit}): raise"
+                          " budget.max_steps to continue it, or pass --fresh to start over")
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")

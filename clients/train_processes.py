@@ -90,7 +90,7 @@ def start_servers(config: TrainConfig, run_dir: Path) -> dict[str, ServerProcess
                 try:
                     processes[name] = future.result()
                 except Exception as error:  # noqa: BLE001 - every failure is reported together below
-                    failures.append(f"{name}: {error}")
+                    failures.append(f"{name}: {getattr(error, 'headline', error)}")
             if failures:
                 raise RuntimeError("could not start the servers:\n" + "\n".join(failures))
         path = write_component_config(config, run_dir, processes["policy"].target)

@@ -18,7 +18,7 @@ import base64
 import binascii
 import json
 import mimetypes
-from collections import OrderedDict
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,22 +107,21 @@ def messages_to_proto(messages: Sequence[Message]) -> list[common_pb2.ChatMessag
     return [message_to_proto(message) for message in messages]
 
 
-# FunctionInfo -> its ToolSpec, for tools that share one FunctionInfo across episodes (see
-# env_servers.envs.source.cached_tools); each entry holds its FunctionInfo, so an id stays its own.
-_SPECS: OrderedDict[int, tuple[FunctionInfo, common_pb2.ToolSpec]] = OrderedDict()
-_SPECS_KEPT = 256
+# id(FunctionInfo) -> (a weak reference to it, its ToolSpec), for tools that share one FunctionInfo
+# across episodes (see env_servers.envs.source.cached_tool). An entry goes when its FunctionInfo
+# does, so environments that build fresh tools on every reset leave nothing behind.
+_SPECS: dict[int, tuple[weakref.ref[FunctionInfo], common_pb2.ToolSpec]] = {}
 
 
 def tool_to_proto(tool: Tool) -> common_pb2.ToolSpec:
     """A Tool in OpenAI function form, its parameters' JSON Schema as text. The spec of a
     FunctionInfo seen before is the one made then (do not modify what this returns)."""
-    cached = _SPECS.get(id(tool.info))
-    if cached is not None and cached[0] is tool.info:
+    info, key = tool.info, id(tool.info)
+    cached = _SPECS.get(key)
+    if cached is not None and cached[0]() is info:
         return cached[1]
-    spec = _spec(tool.info)
-    _SPECS[id(tool.info)] = (tool.info, spec)
-    if len(_SPECS) > _SPECS_KEPT:
-        _SPECS.popitem(last=False)
+    spec = _spec(info)
+    _SPECS[key] = (weakref.ref(info, lambda _, key=key: _SPECS.pop(key, None)), spec)
     return spec
 
 

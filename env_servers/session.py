@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from sciproto.auth import AuthRole, charge_request, current_principal, require_role
+from sciproto.auth import AuthRole, Principal, charge_request, current_principal, require_role
 from sciproto.errors import (
     Cancelled,
     Internal,
@@ -109,10 +109,10 @@ class SessionStream:
         # reads the queue any more.
         await self._answers.put(None)
 
-    def _admit(self, request: env_pb2.SessionRequest, principal: object) -> env_pb2.SessionResponse | None:
+    def _admit(self, request: env_pb2.SessionRequest, principal: Principal | None) -> env_pb2.SessionResponse | None:
         """The in-band refusal of a frame over the principal's rate or beyond max_in_flight."""
         try:
-            charge_request(principal)  # type: ignore[arg-type]
+            charge_request(principal)
             if request.WhichOneof("operation") != "cancel" and len(self._running) >= self.max_in_flight:
                 raise ResourceExhausted(
                     f"this Session stream has {len(self._running)} operations running, its max_in_flight;"

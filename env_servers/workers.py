@@ -32,17 +32,21 @@ START_TIMEOUT_S = 120.0  # for one worker to load its environments and listen
 PR_SET_PDEATHSIG = 1
 
 
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+
+
 def _die_with_parent() -> None:
-    """In the worker, before exec: SIGTERM when the supervising process dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """In the worker, between fork and exec: SIGTERM when the supervising process dies, however
+    it dies. One system call through a function looked up before the fork, so it takes no lock
+    another thread of this process could hold."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Worker:
     def __init__(self, index: int, command: list[str]) -> None:
         self.index = index
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_die_with_parent)  # noqa: PLW1509 -- see _die_with_parent
         self.port: int | None = None
         self.ready = threading.Event()
         threading.Thread(target=self._pump, name=f"worker {index} output", daemon=True).start()

@@ -31,7 +31,7 @@ from learner.weight_push import PushResult
 from policy_server.weight_group import CollectiveRendezvous, WeightGroup
 from policy_server.weights_stream import header_for
 from sciproto.channel import ServerAccess, make_channel
-from sciproto.errors import from_rpc_error
+from sciproto.errors import Reason, Unavailable, from_rpc_error
 from sciproto.pb import policy_grpc, policy_pb2
 
 
@@ -121,8 +121,8 @@ class CollectiveWeightPusher:
             for call in calls:
                 call.cancel()
             await asyncio.wait(calls, timeout=1.0)
-            raise RuntimeError(f"weight push of version {version} over the collective group failed: "
-                               + "; ".join(self._outcomes(calls, transfer)))
+            raise Unavailable(f"weight push of version {version} over the collective group failed: "
+                              + "; ".join(self._outcomes(calls, transfer)), Reason.WEIGHTS_INCOMPLETE)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(self.targets))
 
     def _outcomes(self, calls: list[asyncio.Future], transfer: asyncio.Future) -> list[str]:

@@ -6,7 +6,9 @@ metrics.jsonl holds one JSON object per optimizer step, among them:
     step, policy_version, groups, reward_mean, reward_std, reward_min, reward_max,
     frac_all_equal_groups, loss, entropy, clip_frac_low, clip_frac_high, is_weight_mean,
     is_weight_max, is_frac_truncated, mismatch, grad_norm, policy_lag_mean, policy_lag_max,
-    groups_dropped_stale (this step), tokens_per_s_generation, tokens_per_s_training,
+    groups settled since the previous step: groups_consumed, groups_dropped_stale (when this
+    step took its batch), groups_refused_stale, groups_skipped_equal, groups_refused_invalid
+    (on arrival); tokens_per_s_generation, tokens_per_s_training,
     wait_rollouts_s, train_s, weight_sync_s, time_s (seconds since the learner started)
 
 A resumed run appends to the same file, so the plot covers the whole run.

@@ -501,6 +501,13 @@ class LearnerServicer:
         if not behind:
             return
         async with self._step_lock:
+            # A step's own push may have finished while we waited for the lock: ask again.
+            versions = await pusher.versions_each(timeout_s=min(10.0, self.config.push_timeout_s))
+            behind = [
+                i for i, v in enumerate(versions) if v is not None and v < self._published_version
+            ]
+            if not behind:
+                return
             version = self.trainer.policy_version
             targets = [self.config.policy_targets[i] for i in behind]
             log.warning(

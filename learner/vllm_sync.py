@@ -29,6 +29,7 @@ from learner.collective_push import CollectiveWeightPusher
 from learner.server_config import LearnerServerConfig
 from policy_server.backends.vllm_backend import NcclRendezvous, import_vllm
 from sciproto.channel import ServerAccess
+from sciproto.errors import FailedPrecondition, Reason
 
 
 class VllmNcclTransfer:
@@ -44,8 +45,8 @@ class VllmNcclTransfer:
 
     def prepare(self) -> None:
         if self._broken:
-            raise RuntimeError(f"the NCCL weight-transfer group broke in an earlier push ({self._broken}); "
-                               "restart the learner and the policy servers")
+            raise FailedPrecondition(f"the NCCL weight-transfer group broke in an earlier push ({self._broken}); "
+                                     "restart the learner and the policy servers", Reason.WEIGHTS_UNAVAILABLE)
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Runs in a worker thread: NCCL calls block until every peer takes part."""

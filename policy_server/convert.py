@@ -34,7 +34,10 @@ def chat_message(message: common_pb2.ChatMessage, index: int) -> types.ChatMessa
     if role is None:
         raise _invalid(f"chat.messages[{index}].role is unset; set it to ROLE_SYSTEM, ROLE_USER, "
                        "ROLE_ASSISTANT or ROLE_TOOL")
-    kinds = {part.WhichOneof("part") for part in message.parts} - {"text"}
+    empty = next((number for number, part in enumerate(message.parts) if part.WhichOneof("part") is None), None)
+    if empty is not None:
+        raise _invalid(f"chat.messages[{index}].parts[{empty}] is empty; set its text, image or file")
+    kinds = {str(part.WhichOneof("part")) for part in message.parts} - {"text"}
     if kinds:
         # Every backend here serves a text-only model; a part it cannot see is refused, never dropped.
         raise Unimplemented(

@@ -35,6 +35,8 @@ def explain(error: BaseException) -> str:
         hint = _HINTS.get(error.code)
         text = f"{error.message} ({error.code.name})"
         return f"{text}; {hint}" if hint and hint not in error.message else text
+    if headline := getattr(error, "headline", None):  # e.g. ServerStartError: its one-line form
+        return str(headline)
     message = str(error).strip()
     if isinstance(error, ValueError | OSError | LookupError | RuntimeError) and message:
         return message  # our own errors: the message is written for the user

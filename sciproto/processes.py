@@ -79,13 +79,14 @@ def watch_parent() -> None:
 
 class ServerStartError(RuntimeError):
     """A server process exited or stayed silent instead of announcing its port. The message
-    holds its last line of output (where a sciproto server says what is wrong); `output` holds
-    the last 200 lines."""
+    holds its last 200 lines of output; `headline` only the last one, where a sciproto server
+    says in one line what is wrong (what `sciproto train` shows)."""
 
     def __init__(self, message: str, output: Sequence[str]) -> None:
         self.output = list(output)
         last = next((line.strip() for line in reversed(self.output) if line.strip()), "")
-        super().__init__(f"{message}: {last}" if last else message)
+        self.headline = f"{message}: {last}" if last else message
+        super().__init__(f"{message}:\n" + "\n".join(self.output))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Every `sciproto ...` and `scripts/...` command in README.md, as written there, must parse:
 its options (the CLI's parser, with --help) and its config (the file and every --set key,
 validated as the command would). Placeholders in the command table (HOST:PORT, FILE,
-env|policy|learner) stand for real values. The quick ones also run."""
+env|policy|learner) stand for real values; a `--set key=FILE` naming the reader's own file is
+left out of the config check. The quick ones also run."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def check_config(argv: list[str]) -> None:
     from sciproto.config import load_component_config, load_config
 
     config = (options(argv, "--config") or options(argv, "-c") or [None])[0]
-    sets = options(argv, "--set")
+    # `--set key=FILE` names a file of the reader's: its key is still checked, by the CLI parse
+    # above; its value cannot be.
+    sets = [s for s in options(argv, "--set") if not re.fullmatch(r"[A-Z]+", s.partition("=")[2])]
     if argv[:1] == ["train"]:
         from clients.train import load_train_config
 

@@ -51,6 +51,13 @@ def test_rerun_resumes_with_new_groups_only_and_fresh_starts_over(tmp_path: Path
     state = json.loads((run_dir / "checkpoints" / "step_00000004" / "learner_state.json").read_text())
     assert len(state["trained_group_ids"]) == 16 == len(set(state["trained_group_ids"]))
 
+    # The same budget again: nothing left to do, said at once, nothing started.
+    again = subprocess.run(sciproto_command("train", "--config", "demo", "--set", f"run.dir={tmp_path}",
+                                            "--set", "run.name=r", *SMALL, "--set", "budget.max_steps=4"),
+                           capture_output=True, text=True, timeout=200, check=False,
+                           env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert again.returncode == 1 and "trained 4 steps already" in again.stderr, again.stderr[-2000:]
+
     # --fresh: a new directory; a budget too short for a single step leaves no checkpoint.
     third = train(tmp_path, "r-2", "--fresh", "--set", "budget.max_seconds=0.5", "--set", "learner.batch_groups=64",
                   "--set", "learner.buffer_capacity=64")

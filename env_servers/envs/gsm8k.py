@@ -1,7 +1,8 @@
-"""GSM8K-format arithmetic word problems on Aviary's own CalculatorEnv and GSM8kDataset.
+"""GSM8K-format arithmetic word problems on Aviary's own CalculatorEnv, in GSM8kDataset's format.
 
-The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl); GSM8kDataset reads it through
-`hf_source=<that folder>`, so nothing is downloaded.
+The data ships in env_servers/data/gsm8k (train.jsonl, test.jsonl, and the short splits); the
+tasks are made from those rows as Aviary's GSM8kDataset makes them (which can read the same folder
+through `hf_source=<that folder>`), so nothing is downloaded.
 """
 
 import ast
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from aviary.core import Environment, Message, Messages, Tool
-from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig, GSM8kDataset
+from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig
 from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict
 
@@ -183,7 +184,6 @@ class GSM8kSource(EnvironmentSource):
         self.options = options
         self._problems_of: dict[str, list[tuple[str, str, float]]] = {}
         self._config = CalculatorEnvConfig()
-        self._loading = asyncio.Lock()
         for split in ("train", "test"):
             if not (options.data_dir / SPLITS[split][0]).is_file():
                 raise FileNotFoundError(
@@ -207,31 +207,23 @@ class GSM8kSource(EnvironmentSource):
     def splits(self) -> dict[str, int]:
         return {split: len(rows) for split, rows in self._rows.items()}
 
-    async def _problems(self, split: str) -> list[tuple[str, str, float]]:
-        """(problem_id, problem, answer) of every task of `split`, as Aviary's GSM8kDataset
-        gives them to its CalculatorEnv, read out of its DataFrame once (a row lookup per
-        episode cost more than the rest of a reset)."""
-        async with self._loading:
-            if split not in self._problems_of:
-                aviary_split = SPLITS[split][1]
-                assert aviary_split is not None, f"split {split} is built from its rows"
-                dataset = await asyncio.to_thread(
-                    GSM8kDataset, aviary_split, hf_source=str(self.options.data_dir)
-                )
-                self._config = dataset.config
-                rows = dataset.src_df[["problem_id", "question", "answer_num"]]
-                self._problems_of[split] = [
-                    (str(pid), str(problem), float(answer))
-                    for pid, problem, answer in rows.itertuples(index=False)
-                ]
-        return self._problems_of[split]
+    def _problems(self, split: str) -> list[tuple[str, str, float]]:
+        """(problem_id, problem, answer) of every task of `split`, made once per split from its
+        rows as Aviary's GSM8kDataset makes them (ids `<Aviary split>_<index>`, the number after
+        "#### "). Not read through GSM8kDataset: its Hugging Face loader takes every file of the
+        folder whose name holds the split's (test.jsonl and short_test.jsonl for "test"), and a
+        row lookup in its DataFrame per episode cost more than the rest of a reset."""
+        problems = self._problems_of.get(split)
+        if problems is None:
+            prefix = SPLITS[split][1] or split
+            problems = self._problems_of[split] = [
+                (f"{prefix}_{index}", row["question"], parse_answer_number(row["answer"]))
+                for index, row in enumerate(self._rows[split])
+            ]
+        return problems
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
-        if SPLITS[split][1] is None:
-            row = self._rows[split][index]
-            return BoundedCalculatorEnv(f"{split}_{index}", row["question"],
-                                        parse_answer_number(row["answer"]), self._config)
-        problem_id, problem, answer = (await self._problems(split))[index]
+        problem_id, problem, answer = self._problems(split)[index]
         return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:

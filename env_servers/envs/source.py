@@ -16,6 +16,9 @@ UNBOUNDED = -1
 
 RewardComponents = dict[str, float]
 
+# Task ids a source remembers (see EnvironmentSource.task_id).
+TASK_IDS_KEPT = 100_000
+
 # Part of every built-in environment's version: Aviary runs their dynamics and graders.
 AVIARY_VERSION = importlib.metadata.version("fhaviary")
 
@@ -80,12 +83,13 @@ _TOOL_INFOS: dict[tuple[type, Callable[..., Any]], FunctionInfo] = {}
 
 
 def cached_tool(method: Callable[..., Any], run: Callable[..., Any] | None = None) -> Tool:
-    """The tool `Tool.from_function(method)` makes, for a bound method of an environment, with its
-    schema built once per environment class and method and shared after that.
+    """The tool `Tool.from_function(method)` makes, for a bound method of an environment (or a
+    function), with its schema built once per environment class and method and shared after that.
 
     run: what the tool calls instead of `method`, with the same arguments (a coroutine that
     runs `method` on the event loop, say); by default `method` itself."""
-    key = (type(method.__self__), method.__func__)  # type: ignore[attr-defined]
+    # A bound method: its class and function; a plain function: itself.
+    key = (type(getattr(method, "__self__", None)), getattr(method, "__func__", method))
     info = _TOOL_INFOS.get(key)
     if info is None:
         info = _TOOL_INFOS[key] = Tool.from_function(method).info
@@ -141,8 +145,16 @@ class EnvironmentSource(ABC):
 
     def task_id(self, split: str, index: int) -> str:
         """A stable id of a valid task: a digest of what defines it (`_task_content`), so it does
-        not change when the dataset is reordered."""
-        return content_id(self.name, self._task_content(split, index))
+        not change when the dataset is reordered. Worked out once per task (its content never
+        changes), not on every Reset: the digest of the canonical JSON cost more than the rest
+        of a GSM8K reset."""
+        ids: dict[tuple[str, int], str] = self.__dict__.setdefault("_task_ids", {})
+        known = ids.get((split, index))
+        if known is None:
+            if len(ids) >= TASK_IDS_KEPT:  # unbounded splits have no last index
+                ids.clear()
+            known = ids[(split, index)] = content_id(self.name, self._task_content(split, index))
+        return known
 
     def _task_content(self, split: str, index: int) -> Mapping[str, str]:
         """What defines a task; the summary by default (override to include the answer)."""

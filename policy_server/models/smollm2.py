@@ -47,4 +47,11 @@ def load_smollm2_model(dtype: torch.dtype) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
     )
+    # transformers loads a GGUF file through its GGUF "quantizer", which turns every tensor into
+    # a plain float weight of `dtype` (torch has no GGUF kernels) but leaves the model marked as
+    # quantized, and a quantized model refuses .float() (the learner's fp32 master weights).
+    # Nothing quantized remains: unmark it.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     return model.to(dtype)

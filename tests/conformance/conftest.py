@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,5 +73,26 @@ def policy_server() -> Iterator[ServerProcess]:
         server.stop(grace_s=15)
 
 
-def broken_env_server(fault: str) -> Iterator[ServerProcess]:
-    yield from serve(f"broken-{fault}", [sys.executable, "-m", "tests.conformance.broken_env_server", fault])
+FAULTS = ("wrong_status", "double_step", "leaky_session")
+
+
+@pytest.fixture(scope="module")
+def broken_env_servers() -> Iterator[dict[str, ServerProcess]]:
+    """One env server per deliberate fault (tests/conformance/broken_env_server.py), started at once."""
+    LOG_DIR.mkdir(exist_ok=True)
+
+    def start(fault: str) -> ServerProcess:
+        return start_command([sys.executable, "-m", "tests.conformance.broken_env_server", fault], timeout_s=120,
+                             log_file=LOG_DIR / f"conformance-broken-{fault}.log", cwd=ROOT)
+
+    with ThreadPoolExecutor(len(FAULTS)) as pool:
+        futures = {fault: pool.submit(start, fault) for fault in FAULTS}
+    servers = {fault: future.result() for fault, future in futures.items() if future.exception() is None}
+    try:
+        failed = [fault for fault, future in futures.items() if future.exception() is not None]
+        if failed:
+            raise futures[failed[0]].exception()  # type: ignore[misc]
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop(grace_s=15)

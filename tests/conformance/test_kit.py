@@ -5,7 +5,6 @@ check that looks at it, and only that check; the exit code says so."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from sciproto.processes import ServerProcess, sciproto_command
-from tests.conformance.conftest import ROOT, broken_env_server, outcomes, run_kit
+from tests.conformance.conftest import FAULTS, ROOT, outcomes, run_kit
 
 
 def test_python_env_server_passes_every_check(python_env_server: ServerProcess) -> None:
@@ -48,10 +47,9 @@ def test_unreachable_server_fails_with_exit_code_1() -> None:
     assert outcomes(report)["describe"] == "FAIL" and "UNAVAILABLE" in report["checks"][0]["detail"]
 
 
-@pytest.fixture(params=["wrong_status", "double_step", "leaky_session"])
-def broken(request: pytest.FixtureRequest) -> Iterator[tuple[str, ServerProcess]]:
-    for server in broken_env_server(request.param):
-        yield request.param, server
+@pytest.fixture(params=FAULTS)
+def broken(request: pytest.FixtureRequest, broken_env_servers: dict[str, ServerProcess]) -> tuple[str, ServerProcess]:
+    return request.param, broken_env_servers[request.param]
 
 
 CAUGHT_BY = {

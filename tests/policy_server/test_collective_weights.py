@@ -15,9 +15,9 @@ from policy_service_helpers import policy_server_process, reference_logprobs, re
 
 from learner.collective_push import CollectiveWeightPusher, GlooTransfer
 from policy_server.weight_group import CollectiveRendezvous
+from sciproto.errors import Unavailable
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 
-pytestmark = pytest.mark.slow
 PROMPT = [11, 12, 13, 14]
 
 
@@ -80,6 +80,18 @@ def _served_by(seed: int, tokens: list[int], logprobs: list[float]) -> bool:
     return max(abs(a - b) for a, b in zip(expected.tolist(), logprobs)) < 1e-3
 
 
+async def test_push_transport_gloo_builds_the_collective_pusher():
+    from learner.server_config import LearnerServerConfig
+    from learner.weight_push import build_weight_pusher
+
+    config = LearnerServerConfig(push_transport="gloo", policy_targets=["127.0.0.1:1"],
+                                 nccl={"master_address": "127.0.0.1", "master_port": _free_port(), "world_size": 2})
+    pusher = build_weight_pusher(config)
+    assert isinstance(pusher, CollectiveWeightPusher) and pusher.targets == ["127.0.0.1:1"]
+    await pusher.aclose()
+
+
+@pytest.mark.slow
 async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_other_on_old_weights():
     port = _free_port()
     first = policy_server_process(*_server_flags(_rendezvous(port, 1)))
@@ -97,7 +109,7 @@ async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_oth
             assert _served_by(1, tokens, logprobs)  # every tensor arrived, in order, with its dtype
 
         transfer.victim = server_b
-        with pytest.raises(RuntimeError) as failed:
+        with pytest.raises(Unavailable) as failed:
             await pusher.push(dict(reference_model(seed=2).model.state_dict()), 2)
         report = str(failed.value)
         assert f"{server_b.target}:" in report and "version 2" in report
@@ -116,6 +128,7 @@ async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_oth
             generator.close()
 
 
+@pytest.mark.slow
 async def test_a_rank_that_never_joins_fails_the_push_after_the_timeout():
     port = _free_port()
     rendezvous = _rendezvous(port).model_copy(update={"timeout_s": 3.0})  # rank 2 never comes
@@ -123,7 +136,7 @@ async def test_a_rank_that_never_joins_fails_the_push_after_the_timeout():
     server = next(generator)
     pusher = CollectiveWeightPusher([server.target], GlooTransfer(rendezvous), timeout_s=60)
     try:
-        with pytest.raises(RuntimeError) as failed:
+        with pytest.raises(Unavailable) as failed:
             await pusher.push(dict(reference_model(seed=1).model.state_dict()), 1)
         report = str(failed.value)
         assert "did not form within 3 s" in report

@@ -83,3 +83,15 @@ def test_smollm2_loads_offline_and_its_template_matches_the_original(monkeypatch
     with_tools = render_chat(loaded.tokenizer, conversation, TOOLS, add_generation_prompt=True)
     assert "You are a helpful AI assistant named SmolLM" in with_tools and "<tools>" in with_tools
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.stop_token_ids
+
+
+def test_smollm2_is_a_plain_model_the_learner_can_train_in_fp32(monkeypatch):
+    """The GGUF file is dequantized on load: nothing quantized is left, so the learner's fp32
+    master-weight cast (`learner.precision.prepare_model`) and any `.float()` work."""
+    from learner.precision import prepare_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model("smollm2", dtype=torch.bfloat16).model
+    assert not getattr(model, "is_quantized", False)
+    trained = prepare_model(model, "fp32")
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}

@@ -146,6 +146,10 @@ async def test_image_parts_are_refused_by_a_text_only_model_and_text_parts_are_r
     text_parts = common_pb2.ChatMessage(role=common_pb2.ROLE_USER, parts=[common_pb2.ContentPart(text="Say hi.")])
     as_parts = await client.generate_group(generate_request(messages=[text_parts], max_tokens=2, seed=1))
     as_content = await client.generate_group(generate_request(messages=[user("Say hi.")], max_tokens=2, seed=1))
+    empty_part = common_pb2.ChatMessage(role=common_pb2.ROLE_USER, parts=[common_pb2.ContentPart()])
+    with pytest.raises(InvalidArgument) as empty:
+        await client.generate_group(generate_request(messages=[empty_part], max_tokens=2))
+    assert empty.value.reason == Reason.INVALID_REQUEST and "parts[0] is empty" in empty.value.message
     assert refused.value.reason == Reason.UNSUPPORTED and "text only" in refused.value.message
     assert refused.value.metadata["part_kinds"] == "image"
     assert as_parts.prompt_token_ids == as_content.prompt_token_ids  # text parts read as the content

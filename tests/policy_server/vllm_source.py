@@ -32,17 +32,19 @@ def wheel_path(version: str, cache: Path = CACHE, timeout_s: float = 900) -> Pat
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", f"vllm=={version}", "-d", str(cache)]
+               f"vllm=={version}", "-d", str(cache)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as error:
         raise RegistryUnreachable(f"pip download vllm=={version} ran past {timeout_s:.0f} s") from error
     found = sorted(cache.glob(f"vllm-{version}-*.whl"))
     if result.returncode != 0 or not found:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        message = " / ".join(tail)
-        unreachable = any(word in message for word in ("connection", "Connection", "resolve", "Network", "timed out",
-                                                          "No matching distribution"))
+        output = f"{result.stdout}\n{result.stderr}"
+        message = " / ".join(output.strip().splitlines()[-3:])
+        # pip offline retries, then says no version matches: only connection failures mean "unreachable"
+        unreachable = any(word in output for word in ("NewConnectionError", "ConnectTimeout", "connection broken",
+                                                       "Temporary failure in name resolution", "Network is unreachable",
+                                                       "Connection refused", "timed out"))
         raise (RegistryUnreachable if unreachable else RuntimeError)(f"pip download vllm=={version}: {message}")
     return found[0]
 

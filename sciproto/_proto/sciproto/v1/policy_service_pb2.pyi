@@ -651,7 +651,9 @@ class WeightsProvenance(_message.Message):
     """
     sha256: _builtins.bytes
     """SHA-256 (32 bytes) of the concatenated data bytes of the update, in stream order;
-    the server hashes what it receives and refuses the update if they differ.
+    the server hashes what it receives and refuses the update if they differ. Only
+    WEIGHT_TRANSPORT_GRPC_CHUNKS updates are hashed (NCCL tensors never pass the server's
+    CPU).
     """
     def __init__(
         self,

@@ -1,0 +1,79 @@
+"""The rollout client's ledger and stall display: what it concludes from the learner's events."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from clients.train_display import Progress, RunStatus, stall_cause
+from clients.train_flow import GroupLedger
+from sciproto.pb import learner_pb2
+
+
+def request(group_id: str) -> learner_pb2.TrainStepRequest:
+    return learner_pb2.TrainStepRequest(group=learner_pb2.RolloutGroup(group_id=group_id))
+
+
+def receipt(group_id: str, reason: str = "", detail: str = "") -> learner_pb2.GroupReceipt:
+    return learner_pb2.GroupReceipt(group_id=group_id, accepted=not reason, reason=reason,
+                                    detail=detail)
+
+
+def test_each_group_is_settled_once_by_receipts_and_step_results() -> None:
+    ledger = GroupLedger()
+    for name in ("a", "b", "c", "d", "e"):
+        ledger.add(request(name))
+    assert ledger.on_receipt(receipt("a")) == (0, False)
+    assert ledger.on_receipt(receipt("b", "stale")) == (1, False)
+    assert ledger.on_receipt(receipt("c", "busy")) == (0, True)  # send again later
+    assert ledger.on_receipt(receipt("d", "no_signal")) == (1, False)
+    step = learner_pb2.OptimizerStepResult(consumed_group_ids=["a"], dropped_stale_group_ids=["e"])
+    assert ledger.on_step(step) == 2
+    assert ledger.on_step(step) == 0  # named again: not counted again, but recorded
+    assert ledger.counts == Counter(consumed=1, refused_stale=1, skipped_equal=1, dropped_stale=1)
+    assert list(ledger.unsettled) == ["c"]
+    assert ledger.fates["a"] == ["consumed", "consumed"], "a second fate is kept for checks"
+
+
+def test_a_new_stream_resends_what_the_learner_never_settled() -> None:
+    ledger = GroupLedger()
+    for name in ("a", "b"):
+        ledger.add(request(name))
+    ledger.sent.update({"a", "b"})
+    ledger.on_receipt(receipt("a"))
+    again = [r.group.group_id for r in ledger.to_resend()]
+    assert again == ["a", "b"] and ledger.resent == 2 and not ledger.accepted
+    # The restarted learner had trained "a" before its checkpoint.
+    assert ledger.on_receipt(receipt("a", "duplicate", "consumed")) == (1, False)
+    assert ledger.counts == Counter(consumed=1)
+
+
+def test_a_failed_step_keeps_returned_groups_and_settles_abandoned_ones() -> None:
+    ledger = GroupLedger()
+    for name in ("a", "b"):
+        ledger.add(request(name))
+    failure = learner_pb2.StepFailure(returned_group_ids=["a"], abandoned_group_ids=["b"])
+    assert ledger.on_step_failure(failure) == 1
+    assert list(ledger.unsettled) == ["a"] and ledger.counts == Counter(abandoned=1)
+
+
+def test_the_stall_notice_names_all_equal_groups_and_what_is_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = RunStatus(batch_groups=16, started=0.0, rollouts_finished=80, groups_in_learner=3,
+                       since_step=Counter(skipped_equal=10))
+    progress = Progress(total=30, enabled=False, stall_after_s=30)
+    assert progress.tick(status, now=10.0) is None
+    notice = progress.tick(status, now=31.0)
+    assert notice is not None and notice.startswith("no optimizer step for 31 s: waiting for 13")
+    assert "10 groups all-equal" in notice and "answers alike" in notice
+    assert notice in capsys.readouterr().err
+    assert progress.tick(status, now=40.0) is None, "the same cause is not repeated at once"
+    status.learner_down_since = 35.0
+    assert "learner is unreachable since 5 s" in (progress.tick(status, now=40.0) or "")
+
+
+def test_a_full_batch_in_the_learner_reads_as_a_step_in_progress() -> None:
+    status = RunStatus(batch_groups=4, started=0.0, groups_in_learner=4)
+    assert "a step is training" in stall_cause(status, now=100.0)
