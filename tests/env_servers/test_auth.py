@@ -174,3 +174,20 @@ def test_a_missing_token_file_stops_the_server_before_it_loads(tmp_path: Path) -
                             check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "missing.token" in result.stderr and "SCIPROTO_READY" not in result.stdout
+
+
+async def test_forks_count_against_the_quota_and_another_principals_episode_cannot_be_forked(
+        served: Served) -> None:
+    async with served.client("team_a") as team_a, served.client("team_b") as team_b:
+        parent = await team_a.reset("toy", split="train", index=0)
+        fork = await team_a.fork(parent.episode_id)
+        with pytest.raises(ResourceExhausted) as refused:
+            await team_a.fork(parent.episode_id)  # parent and fork fill team_a's quota of 2
+        assert refused.value.reason == Reason.TOO_MANY_EPISODES
+        with pytest.raises(NotFound) as hidden:
+            await team_b.fork(parent.episode_id)
+        assert hidden.value.reason == Reason.EPISODE_NOT_FOUND
+        await team_a.close(fork.episode_id)
+        again = await team_a.fork(parent.episode_id)  # closing the fork gave its place back
+        for episode_id in (parent.episode_id, again.episode_id):
+            await team_a.close(episode_id)
