@@ -191,6 +191,8 @@ async def check_reachable(pool: EnvPool | PolicyPool, what: str, timeout_s: floa
         try:
             await replica.client.describe(timeout_s)
         except SciprotoError as error:
+            if error.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise  # it answers, and its message says which token to send
             if error.code == grpc.StatusCode.UNIMPLEMENTED:
                 raise CollectError(f"{replica.target} is not a {what} server (it has no {pool.service});"
                                    f" give the {what} server's address") from error

@@ -57,7 +57,7 @@ def test_breaking_rejects_deleted_field(copy: Path) -> None:
 
 
 def test_codegen_check_rejects_stale_generated_code(copy: Path) -> None:
-    edit(copy, FIELD, FIELD + "  // Seconds the grader took.\n  double grading_seconds = 5;\n")
+    edit(copy, FIELD, FIELD + "  // Seconds the grader took.\n  double grading_seconds = 99;\n")
     result = run_checks(copy)
     assert result.returncode != 0
     assert "generated code" in result.stdout and "differs from the contracts" in result.stdout
