@@ -105,6 +105,20 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def rewind(self, step: int) -> int:
+        """Drop the lines of steps after `step` (the step the learner resumed at): a learner killed
+        after logging a step but before checkpointing it trains that step again, and its first
+        line would count the step's groups twice. Returns how many lines were dropped."""
+        self._file.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and int(json.loads(line)["step"]) <= step]
+        if len(kept) != len(lines):
+            staging = self.path.with_suffix(".tmp")
+            staging.write_text("".join(kept), encoding="utf-8")
+            staging.replace(self.path)
+        self._file = self.path.open("a", encoding="utf-8")
+        return len(lines) - len(kept)
+
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         self._file.write(json.dumps(record) + "\n")

@@ -240,6 +240,10 @@ class LearnerServicer:
         """Resume from the run directory's latest checkpoint, align the policy servers' weights
         with ours, and start the optimizer loop."""
         resumed = await self._resume()
+        dropped = self.metrics.rewind(self.trainer.step)
+        if dropped:
+            log.info("dropped %d metrics lines of steps after step %d, which are trained again",
+                     dropped, self.trainer.step)
         if self.pusher is not None:
             serving = await self.pusher.serving_versions()
             if resumed or any(v != self.trainer.policy_version for v in serving):
