@@ -9,14 +9,13 @@ process prints
     SCIPROTO_WORKERS env ports=P1,P2,...
     SCIPROTO_READY env port=P1
 
-Workers die with this process (PR_SET_PDEATHSIG), SIGTERM/SIGINT here drains all of them, and a
+Workers die with this process (its lifeline pipe, as every server `sciproto` starts), SIGTERM/SIGINT here drains all of them, and a
 worker that exits ends the others too, with its exit status: whatever supervises this process
 restarts the group.
 """
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import subprocess
 import sys
@@ -26,27 +25,16 @@ from collections.abc import Sequence
 
 from env_servers.app import load_settings
 from sciproto.config import ConfigError
-from sciproto.processes import READY, sciproto_command
+from sciproto.processes import READY, lifeline_popen_options, sciproto_command
 
 START_TIMEOUT_S = 120.0  # for one worker to load its environments and listen
-PR_SET_PDEATHSIG = 1
-
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
-
-
-def _die_with_parent() -> None:
-    """In the worker, between fork and exec: SIGTERM when the supervising process dies, however
-    it dies. One system call through a function looked up before the fork, so it takes no lock
-    another thread of this process could hold."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Worker:
     def __init__(self, index: int, command: list[str]) -> None:
         self.index = index
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        preexec_fn=_die_with_parent)  # noqa: PLW1509 -- see _die_with_parent
+                                        **lifeline_popen_options())
         self.port: int | None = None
         self.ready = threading.Event()
         threading.Thread(target=self._pump, name=f"worker {index} output", daemon=True).start()

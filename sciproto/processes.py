@@ -142,6 +142,13 @@ def start_server(args: Sequence[str], **options: Any) -> ServerProcess:
     return start_command(sciproto_command(*args), **options)
 
 
+def lifeline_popen_options() -> dict[str, Any]:
+    """`subprocess.Popen` keywords that hand a child this process's lifeline: a child running the
+    sciproto CLI (`watch_parent`) then stops when this process is gone, however it dies."""
+    lifeline = lifeline_fd()
+    return {"env": {**os.environ, LIFELINE_ENV: str(lifeline)}, "pass_fds": (lifeline,)}
+
+
 def start_command(
     command: Sequence[str],
     *,
@@ -153,12 +160,12 @@ def start_command(
     """Run a server command and return once it prints its SCIPROTO_READY
     line. Output is kept (last 200 lines) and, when `log_file` is given,
     copied there."""
-    lifeline = lifeline_fd()
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-                LIFELINE_ENV: str(lifeline), **(env or {})}
+    lifeline = lifeline_popen_options()
+    full_env = {**lifeline["env"], "PYTHONUNBUFFERED": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                **(env or {})}
     process = subprocess.Popen(
         list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=full_env, cwd=cwd, start_new_session=True, pass_fds=(lifeline,),
+        env=full_env, cwd=cwd, start_new_session=True, pass_fds=lifeline["pass_fds"],
     )
     output: deque[str] = deque(maxlen=200)
     ready: dict[str, str] = {}
