@@ -25,9 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +63,8 @@ from clients.rollouts import (
     drop_torn_tail,
     read_rollouts,
 )
+from clients.step_groups import StepGrouping
+from clients.step_rollouts import StepTask, run_step_task
 from clients.summary import CollectSummary, summarize
 from sciproto.channel import ServerAccess
 from sciproto.config import load_config
@@ -61,6 +72,8 @@ from sciproto.errors import SciprotoError
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ReplicaSettings(BaseModel):
@@ -109,6 +122,41 @@ async def _iterate(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey]) -> AsyncIt
             yield task
 
 
+async def _stream(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey], max_running: int,
+                  run: Callable[[TaskKey], Awaitable[T]]) -> AsyncIterator[T]:
+    """`run(task)` for every task, at most `max_running` at once, each result as it completes. The
+    iterator is asked for a task only while a slot is free; leaving the loop early (or cancelling)
+    cancels the runs in flight."""
+    upcoming: AsyncIterator[TaskKey] | None = _iterate(tasks)
+    running: set[asyncio.Task[T]] = set()
+    next_task: asyncio.Task[TaskKey] | None = None
+    try:
+        while True:
+            # Admission: ask the iterator for one more task only while a slot is free.
+            if next_task is None and upcoming is not None and len(running) < max_running:
+                next_task = asyncio.ensure_future(anext(upcoming))
+            waiting = running | ({next_task} if next_task else set())
+            if not waiting:
+                return
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if next_task in done:
+                try:
+                    task = next_task.result()
+                except StopAsyncIteration:
+                    upcoming = None
+                else:
+                    running.add(asyncio.create_task(run(task), name=f"group {task.group_id}"))
+                next_task = None
+            for finished in done & running:
+                running.discard(finished)
+                yield finished.result()
+    finally:
+        leftovers = [*running, *([next_task] if next_task else [])]
+        for leftover in leftovers:
+            leftover.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+
+
 async def collect(
     tasks: Iterable[TaskKey] | AsyncIterable[TaskKey],
     *,
@@ -121,44 +169,38 @@ async def collect(
     max_tokens: int = 4096,
     retries: RetryPolicy | None = None,
     deadlines: Deadlines | None = None,
+    options: Mapping[str, str] | None = None,
 ) -> AsyncIterator[RolloutGroup]:
     """Run every task's group of `samples` episodes, at most `concurrency` episodes at once,
     and yield each group as it completes. Leaving the loop early (or cancelling) cancels the
-    groups in flight; their episodes are closed on the way out."""
+    groups in flight; their episodes are closed on the way out. `options` go to every Reset
+    (the environment's per-episode options, e.g. the notebook's {"observation": "state"})."""
     if samples < 1 or concurrency < 1:
         raise ValueError(f"samples ({samples}) and concurrency ({concurrency}) must be >= 1")
     settings = AgentSettings(sampling or Sampling(), max_steps, max_tokens, retries or RetryPolicy(),
-                             deadlines or Deadlines())
-    max_groups = max(1, concurrency // samples)
-    upcoming = _iterate(tasks)
-    running: set[asyncio.Task[RolloutGroup]] = set()
-    next_task: asyncio.Task[TaskKey] | None = None
-    try:
-        while True:
-            # Admission: ask the iterator for one more task only while a group slot is free.
-            if next_task is None and upcoming is not None and len(running) < max_groups:
-                next_task = asyncio.ensure_future(anext(upcoming))
-            waiting = running | ({next_task} if next_task else set())
-            if not waiting:
-                return
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if next_task in done:
-                try:
-                    task = next_task.result()
-                except StopAsyncIteration:
-                    upcoming = None
-                else:
-                    running.add(asyncio.create_task(run_group(task, samples, env, policy, settings),
-                                                    name=f"group {task.group_id}"))
-                next_task = None
-            for finished in done & running:
-                running.discard(finished)
-                yield finished.result()
-    finally:
-        leftovers = [*running, *([next_task] if next_task else [])]
-        for leftover in leftovers:
-            leftover.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
+                             deadlines or Deadlines(), dict(options or {}))
+    async for group in _stream(tasks, max(1, concurrency // samples),
+                               lambda task: run_group(task, samples, env, policy, settings)):
+        yield group
+
+
+async def collect_step_tasks(
+    tasks: Iterable[TaskKey] | AsyncIterable[TaskKey],
+    *,
+    env: EnvPool,
+    policy: PolicyPool,
+    grouping: StepGrouping,
+    settings: AgentSettings,
+    concurrency: int = 16,
+) -> AsyncIterator[StepTask]:
+    """Play every task with step-level groups (clients.step_rollouts), about `concurrency`
+    episodes at once (a task holds up to `grouping.group_size` forks), and yield each task's step
+    groups as soon as the task is done."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    async for task in _stream(tasks, max(1, concurrency // grouping.group_size),
+                              lambda task: run_step_task(task, env, policy, settings, grouping, settings.options)):
+        yield task
 
 
 # -------------------------------------------------------------------- the command
@@ -213,6 +255,16 @@ async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> i
                                f" {[s.name for s in info.splits]}")
     raise CollectError(f"env server {replica.target} does not host {name!r}; it hosts"
                        f" {[e.name for e in described.environments]}")
+
+
+async def fork_mode(env: EnvPool, name: str, timeout_s: float) -> int:
+    """How environment `name` forks an episode (EnvironmentInfo.fork, a ForkMode)."""
+    async with env.lease() as replica:
+        described = await replica.client.describe(timeout=timeout_s)
+    for info in described.environments:
+        if info.name == name:
+            return info.fork
+    raise CollectError(f"env server {replica.target} does not host {name!r}")
 
 
 class RolloutWriter:
@@ -342,4 +394,4 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "collect_step_tasks", "main", "run_collection", "tasks_of"]

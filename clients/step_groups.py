@@ -51,7 +51,7 @@ Propose = Callable[[Sequence[common_pb2.ChatMessage], Sequence[common_pb2.ToolSp
 Scoring = Literal["step_reward", "rollout"]
 
 
-class EpisodeOver(Exception):  # noqa: N818 - a signal, not a failure
+class EpisodeOver(Exception):
     """Raised by `propose`: the episode cannot go on (it ends as truncated)."""
 
 
@@ -123,12 +123,17 @@ def _next_conversation(conversation: list[common_pb2.ChatMessage], action: commo
 
 async def run_step_groups(env: EnvClient, env_name: str, split: str, index: int, propose: Propose,
                           grouping: StepGrouping, *, options: Mapping[str, str] | None = None,
-                          deadlines: Deadlines | None = None) -> StepGroupResult:
+                          deadlines: Deadlines | None = None,
+                          on_group: Callable[[StepGroup], None] | None = None,
+                          stats: StepGroupStats | None = None) -> StepGroupResult:
     """Play one task with step-level groups (see the module's docstring). Every env call is bounded
-    by `deadlines` (Fork by its step deadline: a notebook fork replays the episode's cells)."""
+    by `deadlines` (Fork by its step deadline: a notebook fork replays the episode's cells).
+    `on_group` hears of each group as it completes and `stats` (given) is kept up to date, so a
+    caller keeps both when a later call fails."""
     limits = deadlines or Deadlines()
     state_view = (options or {}).get("observation") == "state"
-    stats, groups = StepGroupStats(), []
+    stats = stats if stats is not None else StepGroupStats()
+    groups: list[StepGroup] = []
     open_forks: set[str] = set()  # forks not closed yet, the base among them once it is one
 
     async def step(episode_id: str, action: common_pb2.ChatMessage) -> env_pb2.StepResponse:
@@ -197,6 +202,8 @@ async def run_step_groups(env: EnvClient, env_name: str, split: str, index: int,
                                 branch, _next_conversation(conversation, action, answer, state_view))
                 chosen = max(range(n), key=lambda i: (rewards[i], -i))
                 groups.append(StepGroup(depth, list(conversation), list(actions), rewards, chosen, step_rewards))
+                if on_group is not None:
+                    on_group(groups[-1])
                 stats.groups += 1
                 stats.reward_stds.append(statistics.pstdev(rewards))
                 for other in [*(f for i, f in enumerate(forks) if i != chosen), base]:
