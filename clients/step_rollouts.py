@@ -66,6 +66,8 @@ class StepTask:
     stats: StepGroupStats
     prompt_tokens: list[int] = field(default_factory=list)  # prompt length of every Generate
     error: str | None = None  # what failed, when the task stopped before its end
+    # Why the base rollout ended early, when a prompt outgrew the model's context (truncated).
+    context_full: str | None = None
 
     def metrics(self) -> dict[str, float]:
         return self.stats.as_metrics() | {"prompt_tokens_per_turn_mean": statistics.fmean(self.prompt_tokens)
@@ -107,6 +109,7 @@ async def run_step_task(task: TaskKey, env: EnvPool, policy: PolicyPool, setting
             generation = await generate(policy, settings, prompt, tools, n=n, max_tokens=max_tokens)
         except InvalidArgument as error:
             if error.reason == Reason.PROMPT_TOO_LONG:
+                result.context_full = error.message
                 raise EpisodeOver(error.message) from error
             raise
         result.prompt_tokens.append(len(generation.prompt_token_ids))

@@ -555,6 +555,11 @@ async def run_rollouts_into_learner(
                 totals["forks_closed"] += played.stats.forks_closed
                 totals["step_groups"] += played.stats.groups
                 totals["tasks_failed"] += played.error is not None
+                if played.context_full is not None and not played.groups:
+                    totals["tasks_context_full"] = totals.get("tasks_context_full", 0) + 1
+                    if totals["tasks_context_full"] == 1:
+                        log.warning("%s: its first prompt does not fit the model, so it gives no step group: %s",
+                                    played.task.group_id, played.context_full)
                 reward_stds += played.stats.reward_stds
                 prompt_tokens += played.prompt_tokens
                 totals["step_group_reward_std"] = sum(reward_stds) / len(reward_stds) if reward_stds else 0.0
