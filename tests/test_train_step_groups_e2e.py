@@ -38,7 +38,7 @@ def test_notebook_state_view_step_groups_close_every_fork_and_keep_prompts_bound
                    f"env.env_options.notebook.sandbox={NOTEBOOK_SANDBOX}", "rollout.tasks=notebook:train",
                    "rollout.observation=state", "rollout.concurrency=4", "rollout.step_groups.group_size=2",
                    "rollout.step_groups.max_depth=3", "rollout.step_groups.fork_budget=6",
-                   "budget.max_steps=null", "budget.max_seconds=12", timeout_s=200)
+                   "budget.max_steps=null", "budget.max_seconds=6", timeout_s=200)
     assert done.returncode == 0, done.stderr[-4000:]
     summary, _ = outputs(tmp_path / "nb")
     forks = summary["step_groups"]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from clients.agent import AgentSettings, Sampling, env_pool, policy_pool
+from clients.collect import collect
 from clients.resume import ResumePoint, resume_point
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import TaskKey
@@ -23,6 +24,7 @@ from learner.prefix import shared_prefix_length
 from learner.service import group_from_pb
 from sciproto.config import ConfigError
 from sciproto.processes import ServerProcess, start_server
+from tests.conftest import NOTEBOOK_SANDBOX
 from tests.env_servers.conftest import wait_for_live_episodes
 
 
@@ -64,7 +66,8 @@ def test_the_config_refuses_step_group_bounds_that_cannot_work(override: dict, s
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    env = start_server(["serve", "env", "--env", "gsm8k", "--port", "0"])
+    env = start_server(["serve", "env", "--port", "0", "--set", "envs=[gsm8k,notebook]",
+                        "--set", f"env_options.notebook.sandbox={NOTEBOOK_SANDBOX}"], timeout_s=120)
     try:
         policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0"])
     except BaseException:
@@ -102,3 +105,22 @@ async def test_a_step_group_reaches_the_learner_as_one_group_of_n_completions_of
     assert [round(seq.advantage, 3) for seq in plan.sequences] == [-1.225, 0.0, 1.225]
     assert plan.turn_prompt_tokens == [prompt] * 3
     assert shared_prefix_length(pad_right(plan.sequences)) >= prompt, "the prompt runs once"
+
+
+async def test_the_agent_resets_with_the_state_view_and_renders_each_turn_whole(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    env_server, policy_server = servers
+    async with env_pool([env_server.target]) as env, policy_pool([policy_server.target]) as policy:
+        [group] = [group async for group in collect([TaskKey("notebook", "train", 0)], env=env, policy=policy,
+                                                   samples=1, sampling=Sampling(max_tokens=8, seed=1), max_steps=2,
+                                                   options={"observation": "state"})]
+    [record] = group.rollouts
+    # No previous_token_ids across a state-view turn: sent, the policy would refuse the second
+    # turn (its messages hold no assistant message to continue from).
+    assert record.error is None and record.steps == 2, record.error
+    text = bytes(t for t in record.token_ids if t < 256).decode(errors="replace")
+    assert text.count("Question:") == 2, "each turn's prompt is the whole state view, instruction included"
+    assert "Your actions so far:" in record.messages[-1].content
+    turns = sum(1 for a, b in zip([0, *record.loss_mask], record.loss_mask) if b and not a)
+    assert turns == 2 and len(record.turn_finish_reasons) == 2
