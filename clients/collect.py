@@ -36,7 +36,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Literal, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,6 +92,8 @@ class CollectConfig(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
+    observation: Literal["history", "state"] | None = Field(
+        None, description="The notebook env's context policy, sent with every Reset (unset: the env's default)")
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
@@ -105,7 +107,13 @@ class CollectConfig(BaseModel):
         " without those arrays, a fraction of the size (see clients.rollouts)"))
 
     def agent_settings(self) -> AgentSettings:
-        return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines)
+        return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines,
+                             self.options)
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The env options of every Reset."""
+        return {"observation": self.observation} if self.observation else {}
 
 
 def tasks_of(env: str, split: str, count: int, start: int = 0) -> Iterator[TaskKey]:
@@ -341,7 +349,7 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
             async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
                                        sampling=config.sampling, max_steps=config.max_steps,
                                        max_tokens=config.max_tokens, retries=config.retries,
-                                       deadlines=config.deadlines):
+                                       deadlines=config.deadlines, options=config.options):
                 writer.write(group)
                 rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
                 bar.update(len(group.rollouts))

@@ -78,6 +78,7 @@ class StepTask:
 def group_records(task: TaskKey, group: StepGroup,
                   sampled: Mapping[int, tuple[GenerationGroup, policy_pb2.GenerateSample]]) -> RolloutGroup:
     """The rollout group of one step group; `sampled` gives the Generate of each action (by id)."""
+    group_id = f"{task.group_id}/step{group.step}"
     records = []
     for i, action in enumerate(group.actions):
         generation, sample = sampled[id(action)]
@@ -85,7 +86,7 @@ def group_records(task: TaskKey, group: StepGroup,
         tokens.add_turn(generation.prompt_token_ids, sample.completion_token_ids, sample.logprobs,
                         sample.version_spans)
         records.append(RolloutRecord(
-            rollout_id=task.rollout_id(i), group_id=task.group_id, env=task.env, split=task.split,
+            rollout_id=f"{group_id}/{i}", group_id=group_id, env=task.env, split=task.split,
             index=task.index, sample=i, status=RolloutStatus.SCORED, reward=group.rewards[i], steps=1,
             messages=[MessageRecord.from_pb(m) for m in [*group.prompt, action]],
             token_ids=tokens.token_ids, loss_mask=tokens.loss_mask, logprobs=tokens.logprobs,

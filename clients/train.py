@@ -839,6 +839,9 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         ("groups consumed / dropped stale / pending", settled),
         ("generation tokens/s", f"{outcome.tokens_per_s:.0f}"),
         ("generation idle", f"{outcome.generation_idle_s:.1f} s"),
+        *([("step groups / forks opened / closed", " / ".join(
+            f"{outcome.step_groups[key]:.0f}" for key in ("step_groups", "forks_opened", "forks_closed")))]
+          if outcome.step_groups else []),
         ("stopped by", outcome.stopped_by),
         ("checkpoint", outcome.checkpoint or "-"),
         ("metrics", outcome.metrics),

@@ -91,7 +91,10 @@ async def test_a_step_group_reaches_the_learner_as_one_group_of_n_completions_of
     assert played.stats.forks_opened == played.stats.forks_closed == 3 * len(played.groups)
     assert await wait_for_live_episodes(env_server.target, 0) == 0
     first = played.groups[0]
+    assert first.group_id == "gsm8k/test/0/step0"
+    assert [r.rollout_id for r in first.rollouts] == [f"gsm8k/test/0/step0/{i}" for i in range(3)]
     group_id, records = with_epoch(first, 5)
+    assert [r.rollout_id for r in records] == [f"gsm8k/test/0#5/step0/{i}" for i in range(3)]
     assert group_id == "gsm8k/test/0#5/step0"
     message = group_to_pb(group_id, records)
     assert len(message.rollouts) == 3
