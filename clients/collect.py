@@ -64,7 +64,7 @@ from clients.rollouts import (
     read_rollouts,
 )
 from clients.step_groups import StepGrouping
-from clients.step_rollouts import StepTask, run_step_task
+from clients.step_rollouts import StepGroupSettings, StepTask, run_step_task
 from clients.summary import CollectSummary, summarize
 from sciproto.channel import ServerAccess
 from sciproto.config import load_config
@@ -92,6 +92,10 @@ class CollectConfig(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
+    grouping: Literal["trajectory", "step"] = Field(
+        "trajectory", description="step: each line is a branch of a step group (clients.step_rollouts); "
+                                  "--samples is then unused, step_groups.group_size is the group")
+    step_groups: StepGroupSettings = Field(default_factory=StepGroupSettings)
     observation: Literal["history", "state"] | None = Field(
         None, description="The notebook env's context policy, sent with every Reset (unset: the env's default)")
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
@@ -324,6 +328,13 @@ def pending_tasks(env_name: str, split: str, count: int, samples: int, done: set
     return [t for t in tasks if any(t.rollout_id(s) not in done for s in range(samples))]
 
 
+def pending_step_tasks(env_name: str, split: str, count: int, done: set[str]) -> list[TaskKey]:
+    """grouping step: tasks no step group of which is in the output yet (rollout ids
+    `<env>/<split>/<index>/step<k>/<sample>`)."""
+    started = {rollout_id.rsplit("/step", 1)[0] for rollout_id in done if "/step" in rollout_id}
+    return [t for t in tasks_of(env_name, split, count) if t.group_id not in started]
+
+
 async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[str], tasks: str, output: Path,
                          limit: int | None, samples: int, concurrency: int, config: CollectConfig) -> CollectSummary:
     env_name, split = parse_tasks(tasks)
@@ -340,21 +351,37 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
         await check_reachable(policy, "policy", config.deadlines.describe_s)
         count = tasks_to_run(size, limit, f"{env_name}:{split}")
         writer = RolloutWriter(output, failures_path, config.rollouts)
-        todo = pending_tasks(env_name, split, count, samples, writer.done)
-        log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",
-                 len(todo), count, samples, len(writer.done), output)
+        stepwise = config.grouping == "step"
+        todo = (pending_step_tasks(env_name, split, count, writer.done) if stepwise
+                else pending_tasks(env_name, split, count, samples, writer.done))
+        log.info("%d of %d tasks to run (%s); %d rollouts already in %s", len(todo), count,
+                 "step groups" if stepwise else f"{samples} samples each", len(writer.done), output)
         rewards: list[float] = []
-        bar = tqdm(total=len(todo) * samples, unit="rollout", disable=not config.progress, dynamic_ncols=True)
+        bar = tqdm(total=len(todo) * (1 if stepwise else samples), unit="task" if stepwise else "rollout",
+                   disable=not config.progress, dynamic_ncols=True)
+
+        def wrote(group: RolloutGroup) -> None:
+            writer.write(group)
+            nonlocal rewards
+            rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
+            bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+                            errors=writer.failed)
+
         try:
-            async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
-                                       sampling=config.sampling, max_steps=config.max_steps,
-                                       max_tokens=config.max_tokens, retries=config.retries,
-                                       deadlines=config.deadlines, options=config.options):
-                writer.write(group)
-                rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
-                bar.update(len(group.rollouts))
-                bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
-                                errors=writer.failed)
+            if stepwise:
+                async for played in collect_step_tasks(todo, env=env, policy=policy,
+                                                       grouping=config.step_groups.grouping(),
+                                                       settings=config.agent_settings(), concurrency=concurrency):
+                    for group in played.groups:
+                        wrote(group)
+                    bar.update(1)
+            else:
+                async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
+                                           sampling=config.sampling, max_steps=config.max_steps,
+                                           max_tokens=config.max_tokens, retries=config.retries,
+                                           deadlines=config.deadlines, options=config.options):
+                    wrote(group)
+                    bar.update(len(group.rollouts))
         finally:
             bar.close()
             writer.close()

@@ -24,6 +24,9 @@ import logging
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from clients.agent import (
     _FATAL,
@@ -55,6 +58,35 @@ from sciproto.errors import InvalidArgument, Reason, SciprotoError, Unavailable
 from sciproto.pb import common_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
+
+
+class StepGroupSettings(BaseModel):
+    """rollout.grouping step: the bounds of step-level groups (clients.step_groups)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(4, ge=2, description="Forks per step group, one action each: the GRPO group")
+    max_depth: int = Field(8, ge=1, description="Most steps of a task's base rollout, grouped or not")
+    fork_budget: int = Field(32, ge=0, description="Most forks one task may open (scoring rollouts included)")
+    scoring: Literal["step_reward", "rollout"] = Field(
+        "step_reward",
+        description="Score a branch by its step reward, or by its return played out to the end on a fork",
+    )
+    branch_depth: int = Field(4, ge=0, description="scoring rollout: most steps played after the group's step")
+
+    @model_validator(mode="after")
+    def _budget_pays_for_a_group(self) -> StepGroupSettings:
+        per_group = self.group_size * (2 if self.scoring == "rollout" else 1)
+        if self.fork_budget < per_group:
+            raise ValueError(
+                f"step_groups.fork_budget {self.fork_budget} cannot pay for one group: a group of"
+                f" {self.group_size} with scoring {self.scoring} opens {per_group} forks; raise"
+                " fork_budget or lower group_size"
+            )
+        return self
+
+    def grouping(self) -> StepGrouping:
+        return StepGrouping(self.group_size, self.max_depth, self.fork_budget, self.scoring, self.branch_depth)
 
 
 @dataclass
@@ -150,4 +182,4 @@ async def run_step_task(task: TaskKey, env: EnvPool, policy: PolicyPool, setting
     return result
 
 
-__all__ = ["StepTask", "group_records", "run_step_task"]
+__all__ = ["StepGroupSettings", "StepTask", "group_records", "run_step_task"]

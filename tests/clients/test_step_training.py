@@ -140,3 +140,25 @@ def test_the_readme_step_group_config_is_a_valid_config() -> None:
     config = TrainConfig.model_validate({"env": {"envs": ["notebook"]}, **yaml.safe_load(block)})
     assert config.rollout.grouping == "step" and config.rollout.options == {"observation": "state"}
     assert config.rollout.step_groups.grouping().fork_budget == 32
+
+
+def test_sciproto_collect_writes_step_groups_and_a_rerun_skips_the_tasks_it_has(
+    servers: tuple[ServerProcess, ServerProcess], tmp_path,
+) -> None:
+    from clients.collect import main
+    from clients.rollouts import read_rollouts
+
+    env_server, policy_server = servers
+    output = tmp_path / "steps.jsonl"
+    overrides = ["grouping=step", "step_groups.group_size=2", "step_groups.max_depth=2", "step_groups.fork_budget=4",
+                 "sampling.max_tokens=8", "progress=false"]
+    main(env=[env_server.target], policy=[policy_server.target], tasks="gsm8k:test", output=output, limit=2,
+         overrides=overrides)
+    records = list(read_rollouts(output))
+    groups = {r.group_id for r in records}
+    assert {g.rsplit("/step", 1)[0] for g in groups} == {"gsm8k/test/0", "gsm8k/test/1"}
+    assert all(sum(r.group_id == g for r in records) == 2 for g in groups)
+    assert len({r.rollout_id for r in records}) == len(records)
+    main(env=[env_server.target], policy=[policy_server.target], tasks="gsm8k:test", output=output, limit=2,
+         overrides=overrides)
+    assert len(list(read_rollouts(output))) == len(records), "a rerun plays no task it has step groups of"
