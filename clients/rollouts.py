@@ -5,7 +5,8 @@ One JSON object per line, UTF-8:
 
     {"schema": "sciproto.rollout/1",
      "rollout_id": "gsm8k/test/3/0",       # env/split/index/sample: unique key, used to resume
-     "group_id": "gsm8k/test/3",           # the samples of one task form a group
+     "group_id": "gsm8k/test/3",           # the samples of one task form a group (a step group:
+                                           #   "notebook/train/3/step2", one line per branch)
      "env": "gsm8k", "split": "test", "index": 3, "sample": 0,
      "task": {"question": "..."},          # the env's task summary (strings)
      "status": "SCORED" | "UNSCORED" | "INFRA_ERROR",

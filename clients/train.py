@@ -16,7 +16,9 @@ A run directory `runs/<name>` holds: config.yaml (as resolved), env.log / policy
 learner.log, checkpoints/, metrics.jsonl, reward.png, rollouts.jsonl (the rollout line format of
 `clients.rollouts`; `sciproto view` opens it), rollouts.failures.jsonl and summary.json.
 Each pass over the split is an epoch; a group's id is `<env>/<split>/<index>#<epoch>` (its
-rollouts' ids add `/<sample>`), so the learner's duplicate check refuses only true retries.
+rollouts' ids add `/<sample>`), so the learner's duplicate check refuses only true retries. With
+`rollout.grouping: step` a task gives one group per step group (clients.step_rollouts), each id
+adding `/step<k>`.
 """
 
 from __future__ import annotations
