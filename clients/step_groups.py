@@ -51,6 +51,11 @@ Propose = Callable[[Sequence[common_pb2.ChatMessage], Sequence[common_pb2.ToolSp
 Scoring = Literal["step_reward", "rollout"]
 
 
+class BranchFailed(Exception):
+    """A Step whose reward status is INFRA_ERROR: the environment failed, and the step cannot be
+    scored (never read as a reward of 0)."""
+
+
 class EpisodeOver(Exception):
     """Raised by `propose`: the episode cannot go on (it ends as truncated)."""
 
@@ -139,6 +144,9 @@ async def run_step_groups(env: EnvClient, env_name: str, split: str, index: int,
     async def step(episode_id: str, action: common_pb2.ChatMessage) -> env_pb2.StepResponse:
         answer = await call_with_deadline(lambda t: env.step(episode_id, action, timeout=t), limits.step_s, "Step")
         stats.steps += 1
+        if answer.reward.status == common_pb2.REWARD_STATUS_INFRA_ERROR:
+            raise BranchFailed(f"the environment failed on step {answer.step_count}: "
+                               f"{answer.reward.detail or 'no detail'}")
         return answer
 
     async def fork(episode_id: str) -> str:

@@ -48,6 +48,7 @@ from clients.rollouts import (
     finish_reason_name,
 )
 from clients.step_groups import (
+    BranchFailed,
     EpisodeOver,
     StepGroup,
     StepGrouping,
@@ -173,6 +174,8 @@ async def run_step_task(task: TaskKey, env: EnvPool, policy: PolicyPool, setting
         if error.reason in _TASK_REASONS or error.reason == Reason.INVALID_REQUEST:
             raise TaskRejected(f"environment refused task {task.group_id}: {error.message}") from error
         result.error = f"{error.code.name} {error.reason}: {error.message}"
+    except BranchFailed as error:
+        result.error = str(error)
     except SciprotoError as error:
         if error.reason in _TASK_REASONS:
             raise TaskRejected(f"environment refused task {task.group_id}: {error.message}") from error
