@@ -162,3 +162,15 @@ def test_sciproto_collect_writes_step_groups_and_a_rerun_skips_the_tasks_it_has(
     main(env=[env_server.target], policy=[policy_server.target], tasks="gsm8k:test", output=output, limit=2,
          overrides=overrides)
     assert len(list(read_rollouts(output))) == len(records), "a rerun plays no task it has step groups of"
+
+
+async def test_step_grouping_on_an_environment_that_cannot_fork_is_refused_before_any_rollout(
+    env_server: ServerProcess, tmp_path,
+) -> None:
+    from clients.train import run_rollouts_into_learner
+
+    config = TrainConfig.model_validate({"env": {"envs": ["dummy"]}, "progress": False,
+                                         "rollout": {"tasks": "dummy:default", "grouping": "step"}})
+    with pytest.raises(ConfigError, match="cannot fork"):
+        await asyncio.wait_for(run_rollouts_into_learner(config, env_server.target, "127.0.0.1:1", "127.0.0.1:1",
+                                                         tmp_path, asyncio.Event()), 60)
