@@ -371,6 +371,8 @@ class EnvSession:
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from None
         finally:
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # seen: when the write failed, the error was raised from there
             waiters = self._waiting.get(request_id)
             if waiters is not None:
                 if len(waiters) == 1:
