@@ -7,6 +7,9 @@
             a, b = await asyncio.gather(session.reset("toy", split="train", index=0),
                                         session.reset("toy", split="train", index=1))
 
+The operations of an EnvClient share one Session stream (see EnvClient for what its end means);
+`EnvClient(target, transport="unary")` makes one unary call per operation instead.
+
 Every call carries a request_id (fresh unless the caller passes one to retry an operation), so
 gRPC's own retries (on UNAVAILABLE) never apply an operation twice, and the current span in its
 trace_context, so the server's spans join the caller's trace even when many episodes share one
