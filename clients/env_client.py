@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal, Self
@@ -49,8 +51,19 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_LOST_EPISODES = 4096
 
 
+def _fresh_request_ids() -> None:
+    global _REQUEST_ID_PREFIX, _request_counter
+    _REQUEST_ID_PREFIX, _request_counter = uuid.uuid4().hex, itertools.count()
+
+
+_fresh_request_ids()
+os.register_at_fork(after_in_child=_fresh_request_ids)  # a forked child must not repeat the parent's ids
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """A request id unique with a uuid4's odds: this process's random 128-bit prefix and a counter
+    (a fraction of uuid4's cost, which is paid on every operation)."""
+    return f"{_REQUEST_ID_PREFIX}-{next(_request_counter):x}"
 
 
 def tool_calls_action(*calls: tuple[str, Mapping[str, Any]], content: str = "") -> common_pb2.ChatMessage:
@@ -183,10 +196,14 @@ class EnvClient:
 
     # ------------------------------------------------------------ the shared stream
 
-    async def _live_stream(self) -> EnvSession:
+    async def _on_stream(self, request: env_pb2.SessionRequest, request_id: str,
+                         timeout: float | None) -> env_pb2.SessionResponse:
         stream = self._stream
-        if stream is not None and stream.failure is None:
-            return stream  # the usual case
+        if stream is None or stream.failure is not None:
+            stream = await self._live_stream()
+        return await stream.run(request, request_id, timeout)
+
+    async def _live_stream(self) -> EnvSession:
         if self._closed:
             raise Unavailable("this EnvClient is closed", Reason.SHUTTING_DOWN)
         if self._opening is None:
@@ -232,8 +249,7 @@ class EnvClient:
                                 options=options)
         if self.transport == "unary":
             return await self._call(self._stub.Reset, request, timeout)
-        return (await (await self._live_stream()).run(env_pb2.SessionRequest(reset=request), request.request_id,
-                                                       timeout)).reset
+        return (await self._on_stream(env_pb2.SessionRequest(reset=request), request.request_id, timeout)).reset
 
     async def step(self, episode_id: str, action: common_pb2.ChatMessage, *, request_id: str | None = None,
                    timeout: float | None = None) -> env_pb2.StepResponse:
@@ -242,8 +258,7 @@ class EnvClient:
         if self.transport == "unary":
             return await self._call(self._stub.Step, request, timeout)
         self._check_episode(episode_id)
-        return (await (await self._live_stream()).run(env_pb2.SessionRequest(step=request), request.request_id,
-                                                       timeout)).step
+        return (await self._on_stream(env_pb2.SessionRequest(step=request), request.request_id, timeout)).step
 
     async def verify(self, episode_id: str | None = None, *, trajectory: env_pb2.StoredTrajectory | None = None,
                      request_id: str | None = None, timeout: float | None = None) -> env_pb2.VerifyResponse:
@@ -252,8 +267,7 @@ class EnvClient:
             return await self._call(self._stub.Verify, request, timeout)
         if episode_id is not None:
             self._check_episode(episode_id)
-        return (await (await self._live_stream()).run(env_pb2.SessionRequest(verify=request), request.request_id,
-                                                       timeout)).verify
+        return (await self._on_stream(env_pb2.SessionRequest(verify=request), request.request_id, timeout)).verify
 
     async def fork(self, episode_id: str, *, request_id: str | None = None,
                    timeout: float | None = None) -> env_pb2.ForkResponse:
@@ -263,8 +277,7 @@ class EnvClient:
         if self.transport == "unary":
             return await self._call(self._stub.Fork, request, timeout)
         self._check_episode(episode_id)
-        return (await (await self._live_stream()).run(env_pb2.SessionRequest(fork=request), request.request_id,
-                                                       timeout)).fork
+        return (await self._on_stream(env_pb2.SessionRequest(fork=request), request.request_id, timeout)).fork
 
     async def close(self, episode_id: str, *, request_id: str | None = None,
                     timeout: float | None = None) -> env_pb2.CloseResponse:
@@ -273,8 +286,7 @@ class EnvClient:
             return await self._call(self._stub.Close, request, timeout)
         if self._lost.pop(episode_id, None) is not None:
             return env_pb2.CloseResponse(closed=False)  # the server closed it when its stream ended
-        return (await (await self._live_stream()).run(env_pb2.SessionRequest(close=request), request.request_id,
-                                                       timeout)).close
+        return (await self._on_stream(env_pb2.SessionRequest(close=request), request.request_id, timeout)).close
 
     @contextlib.asynccontextmanager
     async def session(self, operation_timeout_s: float = 300.0) -> AsyncIterator[EnvSession]:
