@@ -41,7 +41,7 @@ from sciproto.errors import (
     from_status,
 )
 from sciproto.pb import common_pb2, env_grpc, env_pb2
-from sciproto.tracing import current_trace_context
+from sciproto.tracing import current_trace_context, outside_any_trace
 
 # How long leaving a session waits for the server to answer what is still in flight.
 SESSION_DRAIN_TIMEOUT_S = 10.0
@@ -212,8 +212,11 @@ class EnvClient:
         async with self._opening:  # concurrent callers share the one new stream
             stream = self._stream
             if stream is None or stream.failure is not None:
-                stream = self._stream = EnvSession(self._stub.Session(), self.default_timeout_s,
-                                                   slots=self._slots, on_end=self._stream_ended)
+                # Each operation names its episode's trace in its trace_context; the stream
+                # itself (its RPC span, its reader task) belongs to no episode.
+                with outside_any_trace():
+                    stream = self._stream = EnvSession(self._stub.Session(), self.default_timeout_s,
+                                                       slots=self._slots, on_end=self._stream_ended)
             return stream
 
     def _stream_ended(self, stream: EnvSession, failure: SciprotoError) -> None:
