@@ -403,7 +403,8 @@ class EnvClientPool(System):
         from sciproto.pb import ENV_SERVICE
 
         transport = self.transport
-        self.pool = ReplicaPool(self.targets, lambda channel: EnvClient(channel, transport=transport), ENV_SERVICE)
+        self.pool = ReplicaPool(self.targets, lambda channel: EnvClient(channel, transport=transport), ENV_SERVICE,
+                                bare_streams=True)  # as clients.agent.env_pool makes it
         self.calculate = tool_calls_action(("calculator", {"expr": EXPRESSION}))
         self.submit = tool_calls_action(("submit_answer", {"answer": ANSWER}))
 

@@ -158,7 +158,7 @@ class EnvClient:
         if isinstance(channel_or_config, str):
             channel_or_config = ChannelConfig(target=channel_or_config)
         if isinstance(channel_or_config, ChannelConfig):
-            self._channel, self._owns_channel = make_channel(channel_or_config), True
+            self._channel, self._owns_channel = make_channel(channel_or_config, bare_streams=True), True
             default_timeout_s = default_timeout_s or channel_or_config.default_timeout_s
         else:
             self._channel, self._owns_channel = channel_or_config, False
