@@ -31,8 +31,8 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,6 +119,9 @@ class AgentSettings:
     max_tokens: int  # most tokens in a whole trajectory (prompt, environment and policy tokens)
     retries: RetryPolicy
     deadlines: Deadlines
+    # The environment's per-episode options, sent with every Reset (notebook: {"observation":
+    # "history" | "state"}).
+    options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.max_tokens < 1:
@@ -276,7 +279,9 @@ class Episode:
         self.replica: Replica[EnvClient] | None = None
         self.episode_id = ""
         self.summary: dict[str, str] = {}
-        self.transcript: list[common_pb2.ChatMessage] = []
+        self.transcript: list[common_pb2.ChatMessage] = []  # the whole conversation, for the record
+        # What the policy sees: the transcript, or with the state view the latest observations.
+        self.prompt: list[common_pb2.ChatMessage] = []
         self.tools: list[common_pb2.ToolSpec] = []
         self.trajectory = Trajectory()
         self.finish_reasons: list[FinishReasonName] = []  # one per policy turn in the trajectory
@@ -288,6 +293,15 @@ class Episode:
     @property
     def rollout_id(self) -> str:
         return self.task.rollout_id(self.sample)
+
+    @property
+    def state_view(self) -> bool:
+        """The notebook's `observation: state`: each turn's prompt is the state alone, rendered whole;
+        it does not extend the previous turn's tokens, so no `previous_token_ids` are sent."""
+        return self.settings.options.get("observation") == "state"
+
+    def _tokens_in_context(self) -> int:
+        return self.trajectory.last_turn_tokens if self.state_view else len(self.trajectory.token_ids)
 
     # ---------------------------------------------------------------- the loop
 
@@ -334,7 +348,7 @@ class Episode:
     async def _first_turn(self, shared: SharedFirstTurn) -> Completion:
         with start_span(span_name(Operation.CHAT), **{Attr.GEN_AI_OPERATION_NAME: Operation.CHAT}):
             try:
-                return await shared.take(self.sample, self.transcript, self.tools)
+                return await shared.take(self.sample, self.prompt, self.tools)
             except SciprotoError as error:
                 raise self._policy_failure(error) from error
 
@@ -342,7 +356,7 @@ class Episode:
         budget = self.settings
         while True:
             if completion is None:
-                if self.steps >= budget.max_steps or len(self.trajectory.token_ids) >= budget.max_tokens:
+                if self.steps >= budget.max_steps or self._tokens_in_context() >= budget.max_tokens:
                     self.truncated = True
                     break
                 completion = await self._generate_turn()
@@ -359,12 +373,13 @@ class Episode:
     # ---------------------------------------------------------------- policy
 
     async def _generate_turn(self) -> Completion | None:
-        max_tokens = min(self.settings.sampling.max_tokens, self.settings.max_tokens - len(self.trajectory.token_ids))
+        max_tokens = min(self.settings.sampling.max_tokens, self.settings.max_tokens - self._tokens_in_context())
         with start_span(span_name(Operation.CHAT), **{Attr.GEN_AI_OPERATION_NAME: Operation.CHAT,
                                                      Attr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens}) as span:
             try:
-                group = await generate(self.policy, self.settings, self.transcript, self.tools,
-                                       previous_token_ids=self.trajectory.token_ids, max_tokens=max_tokens)
+                group = await generate(self.policy, self.settings, self.prompt, self.tools,
+                                       previous_token_ids=() if self.state_view else self.trajectory.token_ids,
+                                       max_tokens=max_tokens)
             except InvalidArgument as error:
                 if error.reason == Reason.PROMPT_TOO_LONG:
                     return None
@@ -387,13 +402,14 @@ class Episode:
         sample = completion.sample
         try:
             self.trajectory.add_turn(completion.prompt_token_ids, sample.completion_token_ids,
-                                     sample.logprobs, sample.version_spans)
+                                     sample.logprobs, sample.version_spans, extends=not self.state_view)
         except TokenDriftError as error:
             raise EpisodeFailed(str(error), restartable=False) from error
         self.finish_reasons.append(finish_reason_name(sample.finish_reason))
         message = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=sample.content,
                                          tool_calls=sample.tool_calls)
         self.transcript.append(message)
+        self.prompt.append(message)
         return message
 
     # ---------------------------------------------------------------- environment
@@ -432,7 +448,8 @@ class Episode:
         replica = self.replica
 
         def reset(client: EnvClient, timeout: float) -> Awaitable[env_pb2.ResetResponse]:
-            return client.reset(task.env, split=task.split, index=task.index, request_id=request_id, timeout=timeout)
+            return client.reset(task.env, split=task.split, index=task.index, request_id=request_id, timeout=timeout,
+                                options=self.settings.options or None)
 
         with start_span(span_name(Operation.ENV_RESET, task.env), **{Attr.ENV_NAME: task.env}):
             try:
@@ -453,6 +470,7 @@ class Episode:
                 raise
         self.episode_id = response.episode_id
         self.transcript = list(response.observations)
+        self.prompt = list(response.observations)
         self.tools = list(response.tools)
         self.summary = dict(response.task_summary)
 
@@ -468,6 +486,8 @@ class Episode:
         self.steps = max(self.steps + 1, response.step_count)
         self.step_rewards.append(response.reward.value)
         self.transcript.extend(response.observations)
+        # The state view's observation is the whole state: it replaces the prompt.
+        self.prompt = list(response.observations) if self.state_view else [*self.prompt, *response.observations]
         self.terminated, self.truncated = response.terminated, response.truncated
         if response.reward.status == common_pb2.REWARD_STATUS_INFRA_ERROR:
             raise EpisodeFailed(f"environment failed on step {self.steps}: {response.reward.detail or 'no detail'}",

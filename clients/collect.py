@@ -25,9 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +63,8 @@ from clients.rollouts import (
     drop_torn_tail,
     read_rollouts,
 )
+from clients.step_groups import StepGrouping
+from clients.step_rollouts import StepGroupSettings, StepTask, run_step_task
 from clients.summary import CollectSummary, summarize
 from sciproto.channel import ServerAccess
 from sciproto.config import load_config
@@ -61,6 +72,8 @@ from sciproto.errors import SciprotoError
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ReplicaSettings(BaseModel):
@@ -79,6 +92,12 @@ class CollectConfig(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
+    grouping: Literal["trajectory", "step"] = Field(
+        "trajectory", description="step: each line is a branch of a step group (clients.step_rollouts); "
+                                  "--samples is then unused, step_groups.group_size is the group")
+    step_groups: StepGroupSettings = Field(default_factory=StepGroupSettings)
+    observation: Literal["history", "state"] | None = Field(
+        None, description="The notebook env's context policy, sent with every Reset (unset: the env's default)")
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
@@ -92,7 +111,13 @@ class CollectConfig(BaseModel):
         " without those arrays, a fraction of the size (see clients.rollouts)"))
 
     def agent_settings(self) -> AgentSettings:
-        return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines)
+        return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines,
+                             self.options)
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The env options of every Reset."""
+        return {"observation": self.observation} if self.observation else {}
 
 
 def tasks_of(env: str, split: str, count: int, start: int = 0) -> Iterator[TaskKey]:
@@ -109,6 +134,41 @@ async def _iterate(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey]) -> AsyncIt
             yield task
 
 
+async def _stream(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey], max_running: int,
+                  run: Callable[[TaskKey], Awaitable[T]]) -> AsyncIterator[T]:
+    """`run(task)` for every task, at most `max_running` at once, each result as it completes. The
+    iterator is asked for a task only while a slot is free; leaving the loop early (or cancelling)
+    cancels the runs in flight."""
+    upcoming: AsyncIterator[TaskKey] | None = _iterate(tasks)
+    running: set[asyncio.Task[T]] = set()
+    next_task: asyncio.Task[TaskKey] | None = None
+    try:
+        while True:
+            # Admission: ask the iterator for one more task only while a slot is free.
+            if next_task is None and upcoming is not None and len(running) < max_running:
+                next_task = asyncio.ensure_future(anext(upcoming))
+            waiting = running | ({next_task} if next_task else set())
+            if not waiting:
+                return
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if next_task in done:
+                try:
+                    task = next_task.result()
+                except StopAsyncIteration:
+                    upcoming = None
+                else:
+                    running.add(asyncio.create_task(run(task), name=f"group {task.group_id}"))
+                next_task = None
+            for finished in done & running:
+                running.discard(finished)
+                yield finished.result()
+    finally:
+        leftovers = [*running, *([next_task] if next_task else [])]
+        for leftover in leftovers:
+            leftover.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+
+
 async def collect(
     tasks: Iterable[TaskKey] | AsyncIterable[TaskKey],
     *,
@@ -121,44 +181,38 @@ async def collect(
     max_tokens: int = 4096,
     retries: RetryPolicy | None = None,
     deadlines: Deadlines | None = None,
+    options: Mapping[str, str] | None = None,
 ) -> AsyncIterator[RolloutGroup]:
     """Run every task's group of `samples` episodes, at most `concurrency` episodes at once,
     and yield each group as it completes. Leaving the loop early (or cancelling) cancels the
-    groups in flight; their episodes are closed on the way out."""
+    groups in flight; their episodes are closed on the way out. `options` go to every Reset
+    (the environment's per-episode options, e.g. the notebook's {"observation": "state"})."""
     if samples < 1 or concurrency < 1:
         raise ValueError(f"samples ({samples}) and concurrency ({concurrency}) must be >= 1")
     settings = AgentSettings(sampling or Sampling(), max_steps, max_tokens, retries or RetryPolicy(),
-                             deadlines or Deadlines())
-    max_groups = max(1, concurrency // samples)
-    upcoming = _iterate(tasks)
-    running: set[asyncio.Task[RolloutGroup]] = set()
-    next_task: asyncio.Task[TaskKey] | None = None
-    try:
-        while True:
-            # Admission: ask the iterator for one more task only while a group slot is free.
-            if next_task is None and upcoming is not None and len(running) < max_groups:
-                next_task = asyncio.ensure_future(anext(upcoming))
-            waiting = running | ({next_task} if next_task else set())
-            if not waiting:
-                return
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if next_task in done:
-                try:
-                    task = next_task.result()
-                except StopAsyncIteration:
-                    upcoming = None
-                else:
-                    running.add(asyncio.create_task(run_group(task, samples, env, policy, settings),
-                                                    name=f"group {task.group_id}"))
-                next_task = None
-            for finished in done & running:
-                running.discard(finished)
-                yield finished.result()
-    finally:
-        leftovers = [*running, *([next_task] if next_task else [])]
-        for leftover in leftovers:
-            leftover.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
+                             deadlines or Deadlines(), dict(options or {}))
+    async for group in _stream(tasks, max(1, concurrency // samples),
+                               lambda task: run_group(task, samples, env, policy, settings)):
+        yield group
+
+
+async def collect_step_tasks(
+    tasks: Iterable[TaskKey] | AsyncIterable[TaskKey],
+    *,
+    env: EnvPool,
+    policy: PolicyPool,
+    grouping: StepGrouping,
+    settings: AgentSettings,
+    concurrency: int = 16,
+) -> AsyncIterator[StepTask]:
+    """Play every task with step-level groups (clients.step_rollouts), about `concurrency`
+    episodes at once (a task holds up to `grouping.group_size` forks), and yield each task's step
+    groups as soon as the task is done."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    async for task in _stream(tasks, max(1, concurrency // grouping.group_size),
+                              lambda task: run_step_task(task, env, policy, settings, grouping, settings.options)):
+        yield task
 
 
 # -------------------------------------------------------------------- the command
@@ -215,6 +269,16 @@ async def split_size(env: EnvPool, name: str, split: str, timeout_s: float) -> i
                        f" {[e.name for e in described.environments]}")
 
 
+async def fork_mode(env: EnvPool, name: str, timeout_s: float) -> int:
+    """How environment `name` forks an episode (EnvironmentInfo.fork, a ForkMode)."""
+    async with env.lease() as replica:
+        described = await replica.client.describe(timeout=timeout_s)
+    for info in described.environments:
+        if info.name == name:
+            return info.fork
+    raise CollectError(f"env server {replica.target} does not host {name!r}")
+
+
 class RolloutWriter:
     """Appends finished rollouts: judged ones to the output, INFRA_ERROR ones to the failures
     file; skips ids the output already holds."""
@@ -264,6 +328,13 @@ def pending_tasks(env_name: str, split: str, count: int, samples: int, done: set
     return [t for t in tasks if any(t.rollout_id(s) not in done for s in range(samples))]
 
 
+def pending_step_tasks(env_name: str, split: str, count: int, done: set[str]) -> list[TaskKey]:
+    """grouping step: tasks no step group of which is in the output yet (rollout ids
+    `<env>/<split>/<index>/step<k>/<sample>`)."""
+    started = {rollout_id.rsplit("/step", 1)[0] for rollout_id in done if "/step" in rollout_id}
+    return [t for t in tasks_of(env_name, split, count) if t.group_id not in started]
+
+
 async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[str], tasks: str, output: Path,
                          limit: int | None, samples: int, concurrency: int, config: CollectConfig) -> CollectSummary:
     env_name, split = parse_tasks(tasks)
@@ -280,21 +351,37 @@ async def run_collection(env_targets: Sequence[str], policy_targets: Sequence[st
         await check_reachable(policy, "policy", config.deadlines.describe_s)
         count = tasks_to_run(size, limit, f"{env_name}:{split}")
         writer = RolloutWriter(output, failures_path, config.rollouts)
-        todo = pending_tasks(env_name, split, count, samples, writer.done)
-        log.info("%d of %d tasks to run (%d samples each); %d rollouts already in %s",
-                 len(todo), count, samples, len(writer.done), output)
+        stepwise = config.grouping == "step"
+        todo = (pending_step_tasks(env_name, split, count, writer.done) if stepwise
+                else pending_tasks(env_name, split, count, samples, writer.done))
+        log.info("%d of %d tasks to run (%s); %d rollouts already in %s", len(todo), count,
+                 "step groups" if stepwise else f"{samples} samples each", len(writer.done), output)
         rewards: list[float] = []
-        bar = tqdm(total=len(todo) * samples, unit="rollout", disable=not config.progress, dynamic_ncols=True)
+        bar = tqdm(total=len(todo) * (1 if stepwise else samples), unit="task" if stepwise else "rollout",
+                   disable=not config.progress, dynamic_ncols=True)
+
+        def wrote(group: RolloutGroup) -> None:
+            writer.write(group)
+            nonlocal rewards
+            rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
+            bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
+                            errors=writer.failed)
+
         try:
-            async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
-                                       sampling=config.sampling, max_steps=config.max_steps,
-                                       max_tokens=config.max_tokens, retries=config.retries,
-                                       deadlines=config.deadlines):
-                writer.write(group)
-                rewards += [r.reward for r in group.rollouts if r.status is RolloutStatus.SCORED]
-                bar.update(len(group.rollouts))
-                bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}" if rewards else "-",
-                                errors=writer.failed)
+            if stepwise:
+                async for played in collect_step_tasks(todo, env=env, policy=policy,
+                                                       grouping=config.step_groups.grouping(),
+                                                       settings=config.agent_settings(), concurrency=concurrency):
+                    for group in played.groups:
+                        wrote(group)
+                    bar.update(1)
+            else:
+                async for group in collect(todo, env=env, policy=policy, samples=samples, concurrency=concurrency,
+                                           sampling=config.sampling, max_steps=config.max_steps,
+                                           max_tokens=config.max_tokens, retries=config.retries,
+                                           deadlines=config.deadlines, options=config.options):
+                    wrote(group)
+                    bar.update(len(group.rollouts))
         finally:
             bar.close()
             writer.close()
@@ -342,4 +429,4 @@ def main(*, env: list[str], policy: list[str], tasks: str, output: Path, limit: 
     return summary
 
 
-__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "main", "run_collection", "tasks_of"]
+__all__ = ["CollectConfig", "CollectError", "NothingSucceeded", "ReplicaSettings", "collect", "collect_step_tasks", "main", "run_collection", "tasks_of"]

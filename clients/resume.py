@@ -4,7 +4,7 @@ already trained.
 A run directory `<dir>/<name>` holds the learner's checkpoints under `checkpoints/step_N/`; a
 checkpoint counts once its `learner_state.json` exists (the learner writes that file last), and
 that file lists the ids of every group trained up to it. Group ids are
-`<env>/<split>/<index>#<epoch>`: a resumed run starts each task's epoch after the last one its
+`<env>/<split>/<index>#<epoch>` (a step group adds `/step<k>`: one task epoch, many groups): a resumed run starts each task's epoch after the last one its
 learner trained, so it generates only groups the learner has never seen (none is refused as a
 duplicate). This module reads files only; it imports neither torch nor the learner.
 """
@@ -22,7 +22,8 @@ from clients.rollouts import TaskKey
 
 LEARNER_STATE_FILE = "learner_state.json"  # as learner.service writes it
 _STEP_DIR = re.compile(r"step_(\d+)")
-_GROUP_ID = re.compile(r"(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)#(?P<epoch>\d+)")
+# A step group (rollout.grouping: step) adds its step: `<env>/<split>/<index>#<epoch>/step<k>`.
+_GROUP_ID = re.compile(r"(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)#(?P<epoch>\d+)(?:/step\d+)?")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -75,7 +76,7 @@ class ResumePoint:
 
     start: int = 0
     epochs: dict[TaskKey, int] = field(default_factory=dict)
-    trained: int = 0  # groups of this env and split the learner trained before
+    trained: int = 0  # task epochs of this env and split the learner trained (some group of) before
 
 
 def trained_group_ids(run_dir: Path) -> list[str]:
@@ -93,12 +94,16 @@ def resume_point(group_ids: Iterable[str], env: str, split: str, size: int | Non
     its highest trained index."""
     point = ResumePoint()
     highest = -1
+    seen: set[tuple[TaskKey, int]] = set()  # (task, epoch): the step groups of one count once
     for group_id in group_ids:
         match = _GROUP_ID.fullmatch(group_id)
         if not match or match["env"] != env or match["split"] != split:
             continue
-        task = TaskKey(env, split, int(match["index"]))
-        point.epochs[task] = max(point.epochs.get(task, 0), int(match["epoch"]) + 1)
+        task, epoch = TaskKey(env, split, int(match["index"])), int(match["epoch"])
+        if (task, epoch) in seen:
+            continue
+        seen.add((task, epoch))
+        point.epochs[task] = max(point.epochs.get(task, 0), epoch + 1)
         point.trained += 1
         highest = max(highest, task.index)
     point.start = point.trained if size is not None else highest + 1

@@ -5,7 +5,8 @@ One JSON object per line, UTF-8:
 
     {"schema": "sciproto.rollout/1",
      "rollout_id": "gsm8k/test/3/0",       # env/split/index/sample: unique key, used to resume
-     "group_id": "gsm8k/test/3",           # the samples of one task form a group
+     "group_id": "gsm8k/test/3",           # the samples of one task form a group (a step group:
+                                           #   "notebook/train/3/step2", one line per branch)
      "env": "gsm8k", "split": "test", "index": 3, "sample": 0,
      "task": {"question": "..."},          # the env's task summary (strings)
      "status": "SCORED" | "UNSCORED" | "INFRA_ERROR",
@@ -232,14 +233,17 @@ class RolloutRecord(BaseModel):
 
 @dataclass
 class RolloutGroup:
-    """The samples of one task, in sample order: the unit GRPO normalises advantages over."""
+    """The samples of one task, in sample order: the unit GRPO normalises advantages over. A step
+    group (`rollout.grouping: step`) holds the alternatives of one step of the task instead: one
+    prompt, one completion per sample; `step` is the steps its episode had taken before."""
 
     task: TaskKey
     rollouts: list[RolloutRecord]
+    step: int | None = None
 
     @property
     def group_id(self) -> str:
-        return self.task.group_id
+        return self.task.group_id if self.step is None else f"{self.task.group_id}/step{self.step}"
 
     @property
     def complete(self) -> bool:
@@ -258,23 +262,34 @@ class Trajectory:
     Turn k's prompt must start with every token of turns < k (prompt + completion): the policy
     server extends `previous_token_ids` instead of re-tokenizing. The new prompt tokens are
     environment tokens (mask 0); the completion tokens are policy tokens (mask 1).
+
+    With the notebook's state view (`observation: state`) a turn's prompt is the current state
+    alone and does not extend the previous turn: the arrays then hold each turn's whole prompt
+    and its completion one after the other. Such a record is a transcript of what each turn saw,
+    not one sequence to train on (`sciproto train` trains state-view episodes with
+    `rollout.grouping: step`, one sequence per turn).
     """
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    last_turn_tokens: int = 0  # prompt + completion of the latest turn
 
     def add_turn(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
-                 logprobs: Sequence[float], spans: Sequence[common_pb2.VersionSpan]) -> None:
+                 logprobs: Sequence[float], spans: Sequence[common_pb2.VersionSpan], *,
+                 extends: bool = True) -> None:
+        """Append one turn. `extends=False`: the prompt is a fresh one that does not continue the
+        turns before it (the notebook's state view); all of its tokens are appended (mask 0)."""
         if len(logprobs) != len(completion_ids):
             raise ValueError(f"the policy returned {len(logprobs)} logprobs for {len(completion_ids)} tokens")
-        known = len(self.token_ids)
-        if list(prompt_ids[:known]) != self.token_ids:
+        known = len(self.token_ids) if extends else 0
+        if extends and list(prompt_ids[:known]) != self.token_ids:
             mismatch = next((i for i, (a, b) in enumerate(zip(prompt_ids, self.token_ids)) if a != b),
                             min(len(prompt_ids), known))
             raise TokenDriftError(f"the policy's prompt diverges from the previous turn's tokens at index"
                                   f" {mismatch} of {known}; the policy server must extend previous_token_ids")
+        self.last_turn_tokens = len(prompt_ids) + len(completion_ids)
         added = list(prompt_ids[known:])
         self.token_ids += added
         self.loss_mask += [0] * len(added)

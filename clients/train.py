@@ -16,7 +16,9 @@ A run directory `runs/<name>` holds: config.yaml (as resolved), env.log / policy
 learner.log, checkpoints/, metrics.jsonl, reward.png, rollouts.jsonl (the rollout line format of
 `clients.rollouts`; `sciproto view` opens it), rollouts.failures.jsonl and summary.json.
 Each pass over the split is an epoch; a group's id is `<env>/<split>/<index>#<epoch>` (its
-rollouts' ids add `/<sample>`), so the learner's duplicate check refuses only true retries.
+rollouts' ids add `/<sample>`), so the learner's duplicate check refuses only true retries. With
+`rollout.grouping: step` a task gives one group per step group (clients.step_rollouts), each id
+adding `/step<k>`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,8 +41,8 @@ from rich.console import Console
 from rich.table import Table
 
 from clients import resume
-from clients.agent import Sampling, env_pool, policy_pool
-from clients.collect import collect, split_size
+from clients.agent import AgentSettings, Sampling, env_pool, policy_pool
+from clients.collect import collect, collect_step_tasks, fork_mode, split_size
 from clients.curriculum import read_curriculum
 from clients.retries import Deadlines, RetryPolicy
 from clients.rollouts import (
@@ -51,6 +53,7 @@ from clients.rollouts import (
     RolloutStatus,
     TaskKey,
 )
+from clients.step_rollouts import StepGroupSettings
 from clients.train_display import Progress, RunStatus
 from clients.train_flow import Flow, GroupLedger
 from clients.train_processes import start_servers, stop_servers
@@ -62,7 +65,7 @@ from policy_server.config import PolicyServerConfig
 from sciproto.channel import make_channel
 from sciproto.config import ConfigError, load_config
 from sciproto.errors import Unavailable, from_rpc_error
-from sciproto.pb import common_pb2, learner_grpc, learner_pb2
+from sciproto.pb import common_pb2, env_pb2, learner_grpc, learner_pb2
 from sciproto.processes import ServerProcess
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,22 @@ class RolloutSettings(BaseModel):
         None,
         description="A curriculum file (`sciproto eval --write-curriculum`): cycle over its tasks of the split only",
     )
-    samples: int = Field(8, ge=2, description="Samples per task: one GRPO group")
+    samples: int = Field(8, ge=2, description="Samples per task: one GRPO group (grouping trajectory)")
+    grouping: Literal["trajectory", "step"] = Field(
+        "trajectory",
+        description=(
+            "trajectory: a group is `samples` whole episodes of a task; step: a group is the"
+            " alternatives of one step, sampled on forks of the episode (see step_groups)"
+        ),
+    )
+    step_groups: StepGroupSettings = Field(default_factory=StepGroupSettings)
+    observation: Literal["history", "state"] | None = Field(
+        None,
+        description=(
+            "The notebook env's context policy, sent with every Reset (unset: the env's default,"
+            " history); state needs grouping step"
+        ),
+    )
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
     max_groups_ahead: int | None = Field(
         None,
@@ -160,6 +178,20 @@ class RolloutSettings(BaseModel):
             "unsettled groups are sent again once it is back"
         ),
     )
+
+    @model_validator(mode="after")
+    def _state_view_trains_by_step(self) -> RolloutSettings:
+        if self.observation == "state" and self.grouping != "step":
+            raise ValueError(
+                "rollout.observation state needs rollout.grouping step: a state-view episode's turns"
+                " do not extend one another, so they cannot train as one trajectory"
+            )
+        return self
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The env options of every Reset."""
+        return {"observation": self.observation} if self.observation else {}
 
     def split(self) -> tuple[str, str]:
         env, sep, split = self.tasks.partition(":")
@@ -300,8 +332,9 @@ def group_to_pb(group_id: str, records: Sequence[RolloutRecord]) -> learner_pb2.
 
 
 def with_epoch(group: RolloutGroup, epoch: int) -> tuple[str, list[RolloutRecord]]:
-    """The group's id for this pass over the split, and its records renamed to match."""
-    group_id = f"{group.group_id}#{epoch}"
+    """The group's id for this pass over the split, and its records renamed to match: a step
+    group's id adds its step, `<env>/<split>/<index>#<epoch>/step<k>`."""
+    group_id = f"{group.task.group_id}#{epoch}" + ("" if group.step is None else f"/step{group.step}")
     records = [
         r.model_copy(update={"group_id": group_id, "rollout_id": f"{group_id}/{r.sample}"})
         for r in group.rollouts
@@ -319,6 +352,9 @@ class StepRecord(BaseModel):
     policy_lag_mean: float
     groups: int
     seconds: float  # since training started
+    # rollout.grouping step: forks opened and closed by the rollout client up to this step.
+    forks_opened: int | None = None
+    forks_closed: int | None = None
 
 
 class TrainOutcome(BaseModel):
@@ -337,6 +373,9 @@ class TrainOutcome(BaseModel):
     learner_reconnects: int = 0
     step_failures: int = 0  # learner steps that failed and gave their groups back
     first_step_s: float | None = None  # seconds to the first optimizer step result
+    # rollout.grouping step: forks_opened, forks_closed, step_groups, step_group_reward_std (mean
+    # over groups), prompt_tokens_per_turn_mean / _max (every Generate), tasks_failed.
+    step_groups: dict[str, float] = {}
     # Every fate the client recorded per group id (one each); not written to summary.json.
     group_fates: dict[str, list[str]] = Field(default_factory=dict, exclude=True)
     completion_tokens: int = 0
@@ -401,6 +440,11 @@ async def run_rollouts_into_learner(
 
     async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        if rollout.grouping == "step":
+            mode = await fork_mode(env, env_name, rollout.deadlines.describe_s)
+            if mode == env_pb2.FORK_MODE_UNSUPPORTED:
+                raise ConfigError(f"rollout.grouping step forks episodes, and environment {env_name!r} cannot fork"
+                                  " (Describe: fork unsupported); use grouping trajectory")
         chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
         # A resumed run continues after the groups its learner trained, never re-sending one.
         point = resume.resume_point(resume.trained_group_ids(run_dir), env_name, split, size)
@@ -419,7 +463,30 @@ async def run_rollouts_into_learner(
                 else:
                     yield TaskKey(env_name, split, number if size is None else number % size)
 
+        def send(group: RolloutGroup, epoch: int, rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """Write a finished group's records and queue it for the learner (in the ledger)."""
+            group_id, records = with_epoch(group, epoch)
+            for record in records:
+                sink = failures_file if record.status is RolloutStatus.INFRA_ERROR else rollouts_file
+                sink.write(record.to_json_line(rollout.rollouts_file))
+            outcome.groups_generated += 1
+            outcome.completion_tokens += sum(r.tokens.completion for r in records)
+            status.groups_finished = outcome.groups_generated
+            status.rollouts_finished += len(records)
+            status.completion_tokens = outcome.completion_tokens
+            request = learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records))
+            ledger.add(request)
+            outgoing.put_nowait(request)
+
+        def next_epoch(task: TaskKey) -> int:
+            epoch = epochs.get(task, 0)
+            epochs[task] = epoch + 1
+            return epoch
+
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            if rollout.grouping == "step":
+                await produce_step_groups(rollouts_file, failures_file)
+                return
             async for group in collect(
                 tasks(),
                 env=env,
@@ -431,29 +498,49 @@ async def run_rollouts_into_learner(
                 max_tokens=rollout.max_tokens,
                 retries=rollout.retries,
                 deadlines=rollout.deadlines,
+                options=rollout.options,
             ):
                 flow.group_finished()
-                epoch = epochs.get(group.task, 0)
-                epochs[group.task] = epoch + 1
-                group_id, records = with_epoch(group, epoch)
-                for record in records:
-                    sink = (
-                        failures_file
-                        if record.status is RolloutStatus.INFRA_ERROR
-                        else rollouts_file
-                    )
-                    sink.write(record.to_json_line(rollout.rollouts_file))
+                send(group, next_epoch(group.task), rollouts_file, failures_file)
                 rollouts_file.flush()
                 failures_file.flush()
-                outcome.groups_generated += 1
-                outcome.completion_tokens += sum(r.tokens.completion for r in records)
-                status.groups_finished = outcome.groups_generated
-                status.rollouts_finished += len(records)
-                status.completion_tokens = outcome.completion_tokens
                 status.groups_generating = flow.in_flight
-                request = learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records))
-                ledger.add(request)
-                outgoing.put_nowait(request)
+
+        async def produce_step_groups(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """Each task admitted plays its step groups; each step group goes to the learner as a
+            group of its own (one prompt, group_size completions)."""
+            settings = AgentSettings(rollout.sampling, rollout.max_steps, rollout.max_tokens, rollout.retries,
+                                     rollout.deadlines, rollout.options)
+            grouping = rollout.step_groups.grouping()
+            totals = outcome.step_groups = {"forks_opened": 0, "forks_closed": 0, "step_groups": 0,
+                                            "tasks_failed": 0}
+            reward_stds: list[float] = []
+            prompt_tokens: list[int] = []
+            status.forks_opened = 0
+            async for played in collect_step_tasks(tasks(), env=env, policy=policy, grouping=grouping,
+                                                   settings=settings, concurrency=rollout.concurrency):
+                epoch = next_epoch(played.task)
+                for group in played.groups:
+                    send(group, epoch, rollouts_file, failures_file)
+                rollouts_file.flush()
+                await flow.task_finished(len(played.groups))
+                totals["forks_opened"] += played.stats.forks_opened
+                totals["forks_closed"] += played.stats.forks_closed
+                totals["step_groups"] += played.stats.groups
+                totals["tasks_failed"] += played.error is not None
+                if played.context_full is not None and not played.groups:
+                    totals["tasks_context_full"] = totals.get("tasks_context_full", 0) + 1
+                    if totals["tasks_context_full"] == 1:
+                        log.warning("%s: its first prompt does not fit the model, so it gives no step group: %s",
+                                    played.task.group_id, played.context_full)
+                reward_stds += played.stats.reward_stds
+                prompt_tokens += played.prompt_tokens
+                totals["step_group_reward_std"] = sum(reward_stds) / len(reward_stds) if reward_stds else 0.0
+                if prompt_tokens:
+                    totals["prompt_tokens_per_turn_mean"] = sum(prompt_tokens) / len(prompt_tokens)
+                    totals["prompt_tokens_per_turn_max"] = max(prompt_tokens)
+                status.forks_opened, status.forks_closed = totals["forks_opened"], totals["forks_closed"]
+                status.groups_generating = flow.in_flight
 
         async def send_again_later(request: learner_pb2.TrainStepRequest) -> None:
             await asyncio.sleep(BUSY_RESEND_S)
@@ -498,6 +585,8 @@ async def run_rollouts_into_learner(
                     policy_lag_mean=metrics.get("policy_lag_mean", 0.0),
                     groups=result.groups,
                     seconds=now - started,
+                    forks_opened=status.forks_opened,
+                    forks_closed=status.forks_closed if status.forks_opened is not None else None,
                 )
                 status.step, status.policy_version = record.step, record.policy_version
                 status.reward_mean, status.policy_lag_mean = record.reward_mean, record.policy_lag_mean
@@ -723,6 +812,9 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         ("groups consumed / dropped stale / pending", settled),
         ("generation tokens/s", f"{outcome.tokens_per_s:.0f}"),
         ("generation idle", f"{outcome.generation_idle_s:.1f} s"),
+        *([("step groups / forks opened / closed", " / ".join(
+            f"{outcome.step_groups[key]:.0f}" for key in ("step_groups", "forks_opened", "forks_closed")))]
+          if outcome.step_groups else []),
         ("stopped by", outcome.stopped_by),
         ("checkpoint", outcome.checkpoint or "-"),
         ("metrics", outcome.metrics),

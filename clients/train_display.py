@@ -40,6 +40,9 @@ class RunStatus:
     since_step: Counter[str] = field(default_factory=Counter)  # fates since the last step
     learner_down_since: float | None = None
     step_failures: int = 0
+    # rollout.grouping step: forks opened and closed so far (None: trajectory groups).
+    forks_opened: int | None = None
+    forks_closed: int = 0
 
     def tokens_per_s(self, now: float) -> float:
         return self.completion_tokens / max(now - self.started, 1e-9)
@@ -105,6 +108,8 @@ class Progress:
             }
         else:
             postfix["waiting_first_step"] = f"{now - status.started:.0f}s"
+        if status.forks_opened is not None:
+            postfix["forks_open"] = status.forks_opened - status.forks_closed
         self.bar.set_postfix(postfix, refresh=True)
         quiet_since = status.last_step_at if status.last_step_at is not None else status.started
         if now - quiet_since < self.stall_after_s:

@@ -146,6 +146,16 @@ class Flow:
         self.finished += 1
         self._mark()
 
+    async def task_finished(self, groups: int) -> None:
+        """A task admitted as one group finished as `groups` groups (rollout.grouping step: one
+        per step group, maybe none): each is settled by the learner like any group, and with
+        none the task's place is free again."""
+        async with self.changed:
+            self.started += groups - 1
+            self.finished += groups
+            self._mark()
+            self.changed.notify_all()
+
     async def consume(self, count: int) -> None:
         if not count:
             return

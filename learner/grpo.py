@@ -60,6 +60,10 @@ class BatchPlan:
     length_cut_samples: int = 0
     truncated_masked_samples: int = 0
     scored_rewards: list[float] = field(default_factory=list)
+    # A_i of every SCORED sample (0 in a group without signal), and the prompt length of every
+    # policy turn of those samples: the tokens before the turn's first trained token.
+    advantages: list[float] = field(default_factory=list)
+    turn_prompt_tokens: list[int] = field(default_factory=list)
 
 
 def group_advantages(rewards: Sequence[float], adv_eps: float) -> list[float] | None:
@@ -116,6 +120,13 @@ def split_into_transitions(sample: TrainSample) -> list[TrainSample]:
     return transitions
 
 
+def turn_prompt_lengths(sample: TrainSample) -> list[int]:
+    """The context length each policy turn was sampled from: the index of the first token of every
+    maximal run of trained tokens (a step group's sample has one turn: its shared prompt)."""
+    mask = sample.loss_mask
+    return [t for t in range(1, len(mask)) if mask[t] == 1 and mask[t - 1] == 0]
+
+
 def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
     return TrainSequence(
         token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
@@ -134,13 +145,17 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
     sequences: list[TrainSequence] = []
     skipped = infra = unscored = length_cut = masked = 0
     rewards: list[float] = []
+    all_advantages: list[float] = []
+    turn_prompts: list[int] = []
     for group in groups:
         infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
         unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
         samples = scored_samples(group)
         rewards.extend(s.reward for s in samples)
         length_cut += sum(s.cut_by_length for s in samples)
+        turn_prompts.extend(length for s in samples for length in turn_prompt_lengths(s))
         advantages = group_advantages([s.reward for s in samples], config.adv_eps)
+        all_advantages.extend(advantages or [0.0] * len(samples))
         if advantages is None:
             skipped += 1
             continue
@@ -163,6 +178,8 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
         length_cut_samples=length_cut,
         truncated_masked_samples=masked,
         scored_rewards=rewards,
+        advantages=all_advantages,
+        turn_prompt_tokens=turn_prompts,
     )
 
 

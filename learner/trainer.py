@@ -70,6 +70,24 @@ class StepMetrics(BaseModel):
     reward_std: float = 0.0
     reward_min: float = 0.0
     reward_max: float = 0.0
+    # |A_i| over the batch's SCORED samples, and the share of them with A_i != 0 (a group whose
+    # rewards are all equal gives 0): with rollout.grouping step, the step groups' advantages.
+    advantage_abs_mean: float = 0.0
+    advantage_nonzero_frac: float = 0.0
+    # Context length of each policy turn of those samples (tokens before the turn's completion).
+    prompt_tokens_per_turn_mean: float = 0.0
+    prompt_tokens_per_turn_max: int = 0
+
+
+def _advantage_and_turn_stats(advantages: list[float], turn_prompts: list[int]) -> dict[str, float]:
+    stats: dict[str, float] = {}
+    if advantages:
+        stats["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+        stats["advantage_nonzero_frac"] = sum(a != 0.0 for a in advantages) / len(advantages)
+    if turn_prompts:
+        stats["prompt_tokens_per_turn_mean"] = sum(turn_prompts) / len(turn_prompts)
+        stats["prompt_tokens_per_turn_max"] = max(turn_prompts)
+    return stats
 
 
 def _reward_stats(rewards: list[float]) -> dict[str, float]:
@@ -167,6 +185,7 @@ class GRPOTrainer:
             "sequences": len(plan.sequences),
             "tokens": plan.num_tokens,
             **_reward_stats(plan.scored_rewards),
+            **_advantage_and_turn_stats(plan.advantages, plan.turn_prompt_tokens),
         }
         if plan.num_tokens == 0:
             return StepMetrics(

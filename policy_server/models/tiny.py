@@ -8,7 +8,9 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from policy_server.models.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
 
-TINY_MAX_CONTEXT = 2048
+# Enough for the notebook env's first prompt (its instruction and tool specs: 2157 byte tokens)
+# and a few steps of its state view.
+TINY_MAX_CONTEXT = 4096
 
 
 def build_tiny_model(seed: int, dtype: torch.dtype) -> PreTrainedModel:

@@ -237,3 +237,22 @@ def test_misaligned_sample_is_rejected() -> None:
             policy_versions=[-1, 0, 0],
             reward=1.0,
         )
+
+
+def _turns_sample(reward: float, mask: list[int]) -> TrainSample:
+    n = len(mask)
+    return TrainSample(token_ids=list(range(1, n + 1)), loss_mask=mask, rollout_logprobs=[-1.0 * m for m in mask],
+                       policy_versions=[0 if m else -1 for m in mask], reward=reward)
+
+
+def test_the_batch_reports_advantages_and_the_prompt_length_of_every_turn() -> None:
+    two_turns = [0, 0, 0, 1, 1, 0, 0, 1]  # turn prompts of 3 and 7 tokens
+    signal = RolloutGroup(group_id="s", task="t", samples=[_turns_sample(1.0, two_turns), _turns_sample(0.0, two_turns)])
+    equal = RolloutGroup(group_id="e", task="t", samples=[_turns_sample(0.5, [0, 1])] * 2)
+    plan = prepare_batch([signal, equal], GRPOConfig())
+    assert [round(a, 3) for a in plan.advantages] == [1.0, -1.0, 0.0, 0.0]
+    assert plan.turn_prompt_tokens == [3, 7, 3, 7, 1, 1]
+    trainer = GRPOTrainer(tiny_model(), GRPOConfig())
+    metrics = trainer.train_step([signal, equal])
+    assert (metrics.advantage_abs_mean, metrics.advantage_nonzero_frac) == pytest.approx((0.5, 0.5), abs=1e-5)
+    assert (metrics.prompt_tokens_per_turn_mean, metrics.prompt_tokens_per_turn_max) == (22 / 6, 7)

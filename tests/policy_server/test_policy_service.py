@@ -33,7 +33,7 @@ async def test_describe_reports_model_backend_and_capabilities(client: PolicyCli
     assert {"generate.chat", "generate.tokens", "weights.grpc_chunks"} <= set(info.server.capabilities)
     assert info.model == f"tiny-qwen2-seed{SEED}"
     assert (info.backend, info.dtype) == ("transformers", policy_pb2.TENSOR_DTYPE_FLOAT32)
-    assert info.max_context_tokens == 2048 and info.supports_weight_updates
+    assert info.max_context_tokens == 4096 and info.supports_weight_updates
     assert info.policy_version == 0
 
 
@@ -100,7 +100,7 @@ async def test_tools_are_rendered_and_samples_carry_the_tool_call_fields(client:
     (policy_pb2.GenerateRequest(tokens=policy_pb2.TokenPrompt()), Reason.INVALID_REQUEST, "token_ids is empty"),
     (policy_pb2.GenerateRequest(), Reason.INVALID_REQUEST, "no prompt"),
     (generate_request(prompt_token_ids=[1], n=1000), Reason.INVALID_REQUEST, "at most 64"),
-    (generate_request(prompt_token_ids=[1] * 2048), Reason.PROMPT_TOO_LONG, "2048 tokens"),
+    (generate_request(prompt_token_ids=[1] * 4096), Reason.PROMPT_TOO_LONG, "4096 tokens"),
     (generate_request(prompt_token_ids=[1], temperature=-0.5), Reason.INVALID_REQUEST, "temperature"),
     (generate_request(prompt_token_ids=[1], top_p=0.0), Reason.INVALID_REQUEST, "top_p"),
     (generate_request(prompt_token_ids=[1], top_p=1.5), Reason.INVALID_REQUEST, "top_p"),
