@@ -90,7 +90,9 @@ FATAL_ERRORS = (Unauthenticated, PermissionDenied)
 
 
 def env_pool(targets: Sequence[str | ChannelConfig], **options: object) -> EnvPool:
-    """A pool of env server replicas; options as for ReplicaPool."""
+    """A pool of env server replicas; options as for ReplicaPool. Its channels leave the shared
+    Session stream uncovered by the default interceptors when there is no token (bare_streams)."""
+    options.setdefault("bare_streams", True)
     return ReplicaPool(targets, EnvClient, pb.ENV_SERVICE, **options)  # type: ignore[arg-type]
 
 
