@@ -257,10 +257,8 @@ class _Requests:
         return self.pb.CloseRequest(request_id=self.id(), episode_id=episode_id)
 
 
-class Unary(System):
-    """Raw grpc.aio stubs: Reset, Step, Step, Close as unary calls on one channel."""
-
-    name = "unary"
+class _RawStubs(System):
+    """Raw grpc.aio stubs, one channel per server."""
 
     def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
         self.targets, self.servers = targets, servers
@@ -274,6 +272,15 @@ class Unary(System):
         self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
         self.stubs = [env_grpc.EnvironmentServiceStub(channel) for channel in self.channels]
 
+    async def stop(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+class Unary(_RawStubs):
+    """Raw grpc.aio stubs: Reset, Step, Step, Close as unary calls on one channel."""
+
+    name = "unary"
+
     async def episode(self, index: int, window: Window) -> None:
         stub, requests = self.stubs[index % len(self.stubs)], self.requests
         episode_id = (await stub.Reset(requests.reset(index))).episode_id
@@ -282,9 +289,6 @@ class Unary(System):
         assert step.terminated, "submit_answer ends a gsm8k episode"
         await stub.Close(requests.close(episode_id))
         window.episodes += 1
-
-    async def stop(self) -> None:
-        await asyncio.gather(*(channel.close() for channel in self.channels))
 
 
 class _Stream:
@@ -318,72 +322,46 @@ class _Stream:
         await asyncio.wait_for(self.reader, 30)
 
 
-class Session(System):
+async def _stream_episode(stream: _Stream, requests: _Requests, index: int, window: Window) -> None:
+    """Reset, calculator step, submit step and Close of one episode, on `stream`."""
+    pb = requests.pb
+    reset = requests.reset(index)
+    episode_id = (await stream.run(pb.SessionRequest(reset=reset), reset.request_id)).reset.episode_id
+    for action in (requests.calculate, requests.submit):
+        step = requests.step(episode_id, action)
+        answer = await timed(window, stream.run(pb.SessionRequest(step=step), step.request_id))
+    assert answer.step.terminated, "submit_answer ends a gsm8k episode"
+    close = requests.close(episode_id)
+    await stream.run(pb.SessionRequest(close=close), close.request_id)
+    window.episodes += 1
+
+
+class Session(_RawStubs):
     """Raw grpc.aio stubs, every episode on one Session stream (one stream per server)."""
 
     name = "session"
 
-    def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
-        self.targets, self.servers = targets, servers
-
     async def start(self) -> None:
-        import grpc
-
-        from sciproto.pb import env_grpc
-
-        self.requests = _Requests()
-        self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
-        self.streams = [_Stream(env_grpc.EnvironmentServiceStub(channel)) for channel in self.channels]
+        await super().start()
+        self.streams = [_Stream(stub) for stub in self.stubs]
 
     async def episode(self, index: int, window: Window) -> None:
-        stream, requests, pb = self.streams[index % len(self.streams)], self.requests, self.requests.pb
-        reset = requests.reset(index)
-        episode_id = (await stream.run(pb.SessionRequest(reset=reset), reset.request_id)).reset.episode_id
-        for action in (requests.calculate, requests.submit):
-            step = requests.step(episode_id, action)
-            answer = await timed(window, stream.run(pb.SessionRequest(step=step), step.request_id))
-        assert answer.step.terminated, "submit_answer ends a gsm8k episode"
-        close = requests.close(episode_id)
-        await stream.run(pb.SessionRequest(close=close), close.request_id)
-        window.episodes += 1
+        await _stream_episode(self.streams[index % len(self.streams)], self.requests, index, window)
 
     async def stop(self) -> None:
         await asyncio.gather(*(stream.close() for stream in self.streams))
-        await asyncio.gather(*(channel.close() for channel in self.channels))
+        await super().stop()
 
 
-class SessionPerEpisode(System):
+class SessionPerEpisode(_RawStubs):
     """Raw grpc.aio stubs, each episode on a Session stream of its own."""
 
     name = "session_per_episode"
 
-    def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
-        self.targets, self.servers = targets, servers
-
-    async def start(self) -> None:
-        import grpc
-
-        from sciproto.pb import env_grpc
-
-        self.requests = _Requests()
-        self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
-        self.stubs = [env_grpc.EnvironmentServiceStub(channel) for channel in self.channels]
-
     async def episode(self, index: int, window: Window) -> None:
-        stream, requests, pb = _Stream(self.stubs[index % len(self.stubs)]), self.requests, self.requests.pb
-        reset = requests.reset(index)
-        episode_id = (await stream.run(pb.SessionRequest(reset=reset), reset.request_id)).reset.episode_id
-        for action in (requests.calculate, requests.submit):
-            step = requests.step(episode_id, action)
-            answer = await timed(window, stream.run(pb.SessionRequest(step=step), step.request_id))
-        assert answer.step.terminated, "submit_answer ends a gsm8k episode"
-        close = requests.close(episode_id)
-        await stream.run(pb.SessionRequest(close=close), close.request_id)
+        stream = _Stream(self.stubs[index % len(self.stubs)])
+        await _stream_episode(stream, self.requests, index, window)
         await stream.close()
-        window.episodes += 1
-
-    async def stop(self) -> None:
-        await asyncio.gather(*(channel.close() for channel in self.channels))
 
 
 class EnvClientPool(System):
