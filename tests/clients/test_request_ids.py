@@ -22,6 +22,6 @@ def test_request_ids_are_unique_and_a_forked_child_starts_its_own() -> None:
         os.close(read)
         os.waitpid(child, 0)
     parent_next = new_request_id()
-    prefix = lambda request_id: request_id.rsplit("-", 1)[0]  # noqa: E731
+    prefix = lambda request_id: request_id.rsplit("-", 1)[0]
     assert prefix(child_id) != prefix(parent_next), (child_id, parent_next)
     assert child_id not in ids and child_id != parent_next

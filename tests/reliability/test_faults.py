@@ -13,8 +13,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Self
 
 import pytest
 from reliability_servers import ARTIFACTS
@@ -252,7 +253,7 @@ class DroppingProxy:
         self.writers: set[asyncio.StreamWriter] = set()
         self.connections = 0
 
-    async def __aenter__(self) -> DroppingProxy:
+    async def __aenter__(self) -> Self:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.target = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
@@ -283,6 +284,20 @@ class DroppingProxy:
         self.writers.clear()
 
 
+async def fails_at_once_under_a_slow_step(client: EnvClient, episode_id: str,
+                                          fault: Callable[[], Awaitable[None]]) -> None:
+    """A step that sleeps SLOW_CELL_S in its kernel; `fault()` once it runs; the step fails with
+    UNAVAILABLE at once, not at its 60 s deadline."""
+    slow = asyncio.ensure_future(client.step(
+        episode_id, edit_cell(f"import time\ntime.sleep({SLOW_CELL_S})"), timeout=60))
+    await asyncio.sleep(0.8)  # the step runs in its kernel
+    await fault()
+    started = time.monotonic()
+    with pytest.raises(Unavailable):
+        await slow
+    assert time.monotonic() - started < 10, "the step in flight waited for its deadline"
+
+
 async def test_dropped_connection_loses_the_streams_episodes_and_the_next_call_opens_a_new_stream(
     notebook_server: ServerProcess,
 ) -> None:
@@ -294,15 +309,11 @@ async def test_dropped_connection_loses_the_streams_episodes_and_the_next_call_o
             EnvClient(ChannelConfig(target=proxy.target, max_attempts=1)) as client:
         live_before = (await counters(direct)).live_episodes
         reset = await client.reset("notebook", split="test", index=1, timeout=60)
-        slow = asyncio.ensure_future(client.step(
-            reset.episode_id, edit_cell(f"import time\ntime.sleep({SLOW_CELL_S})"), timeout=60))
-        await asyncio.sleep(0.8)  # the step runs in its kernel
-        assert (await counters(direct)).live_episodes == live_before + 1
-        proxy.drop()
-        started = time.monotonic()
-        with pytest.raises(Unavailable):
-            await slow
-        assert time.monotonic() - started < 10, "the step in flight waited for its deadline"
+        async def while_stepping() -> None:
+            assert (await counters(direct)).live_episodes == live_before + 1
+            proxy.drop()
+
+        await fails_at_once_under_a_slow_step(client, reset.episode_id, while_stepping)
 
         with pytest.raises(Unavailable) as lost:
             await client.step(reset.episode_id, edit_cell("print(1)"), timeout=10)
@@ -333,14 +344,10 @@ async def test_env_server_killed_mid_step_is_unavailable_and_a_restarted_one_ser
     try:
         async with EnvClient(ChannelConfig(target=server.target, max_attempts=1)) as client:
             reset = await client.reset("notebook", split="test", index=0, timeout=60)
-            slow = asyncio.ensure_future(client.step(
-                reset.episode_id, edit_cell(f"import time\ntime.sleep({SLOW_CELL_S})"), timeout=60))
-            await asyncio.sleep(0.8)
-            server.kill()
-            started = time.monotonic()
-            with pytest.raises(Unavailable):
-                await slow
-            assert time.monotonic() - started < 10, "the step in flight waited for its deadline"
+            async def kill() -> None:
+                server.kill()
+
+            await fails_at_once_under_a_slow_step(client, reset.episode_id, kill)
             with pytest.raises(Unavailable) as lost:
                 await client.verify(reset.episode_id, timeout=10)
             assert reset.episode_id in lost.value.message
