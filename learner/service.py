@@ -352,6 +352,7 @@ class LearnerServicer:
         train_started = time.monotonic()
         metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
         train_s = time.monotonic() - train_started
+        await self._fault_hold("after_train")
         consumed = [g.group_id for g in groups]
         dropped = self.buffer.drain_dropped()
         self._step_settled = True
@@ -404,6 +405,7 @@ class LearnerServicer:
         self._since_step = dict.fromkeys(self._since_step, 0)
         if metrics.trained:
             self.metrics.log(record)
+            await self._fault_hold("after_metrics")
         numbers = {
             k: float(v)
             for k, v in record.items()
@@ -440,6 +442,14 @@ class LearnerServicer:
             and self.trainer.step % config.checkpoint_every == 0
         ):
             await self._save_checkpoint_locked(config.run_dir)
+            await self._fault_hold("after_checkpoint")
+
+    async def _fault_hold(self, point: str) -> None:
+        """learner.faults.hold_at: stop here (for a test to SIGKILL the process at this point)."""
+        faults = self.config.faults
+        if faults.hold_at == point and self.trainer.step == faults.hold_step:
+            log.warning("holding at %s of step %d (learner.faults.hold_at)", point, self.trainer.step)
+            await asyncio.Event().wait()
 
     def _by_owner(self, group_ids: list[str]) -> dict[_Stream, set[str]]:
         """Every open stream with the ids among `group_ids` it owns (maybe none)."""
@@ -539,6 +549,7 @@ class LearnerServicer:
     async def _save_checkpoint_locked(self, root: Path) -> Path:
         """Write trainer and learner state; the caller holds the step lock."""
         path = await asyncio.to_thread(save_checkpoint, self.trainer, root)
+        await self._fault_hold("in_checkpoint")
         counters = self.buffer.counters
         state = LearnerState(
             trained_group_ids=sorted(self.trained_group_ids),
