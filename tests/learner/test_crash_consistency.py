@@ -124,3 +124,62 @@ async def test_a_learner_killed_at_any_point_of_a_step_counts_every_group_once(
     assert sorted(state["trained_group_ids"]) == ids, (
         f"groups the client saw consumed are missing from the model's checkpoint; acked before "
         f"the kill: {sorted(acked_before_kill)}")
+
+
+async def test_a_group_a_checkpointed_step_dropped_stale_is_refused_as_such_when_sent_again(
+    policy: ServerProcess, tmp_path: Path
+) -> None:
+    """Killed after the checkpoint of a step that dropped a group as stale, before the client
+    heard of that step: the resent group's receipt names it dropped stale, as metrics.jsonl
+    counts it, instead of taking it as new (refused stale or trained: counted twice)."""
+    run_dir = tmp_path / "run"
+    settings = {"checkpoint_every": 1, "grpo": {"lr": 1e-2, "max_staleness": 0}}
+    ledger = GroupLedger()
+
+    def add(group_id: str, version: int, seed: int) -> learner_pb2.RolloutGroup:
+        request = learner_pb2.TrainStepRequest(group=make_group(group_id, version, seed=seed))
+        ledger.add(request)
+        ledger.sent.add(group_id)
+        return request.group
+
+    learner = start_learner(learner_config(
+        run_dir, policy, faults={"hold_at": "after_checkpoint", "hold_step": 2}, **settings))
+    try:
+        async with make_channel(learner.target) as channel:
+            version = (await describe(channel)).policy_version
+            stream = TrainStream(channel)
+            reader = asyncio.ensure_future(feed(stream, ledger))
+            # Step 1 takes old/0 and old/1; old/2 waits and is stale once step 1 bumped the version.
+            for n in range(BATCH_GROUPS + 1):
+                await stream.send(add(f"old/{n}", version, n))
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            while ledger.fates["old/0"] != ["consumed"]:
+                assert time.monotonic() < deadline, ledger.fates
+                await asyncio.sleep(0.1)
+            after_first = (await describe(channel)).policy_version
+            for n in range(BATCH_GROUPS):  # step 2: drops old/2, trains new/0 and new/1
+                await stream.send(add(f"new/{n}", after_first, 10 + n))
+            await wait_for_line(learner, "holding at after_checkpoint of step 2")
+            await asyncio.sleep(SETTLE_S)
+            learner.kill()
+            await asyncio.wait_for(reader, EVENT_TIMEOUT_S)
+        learner = start_learner(learner_config(run_dir, policy, **settings))
+        async with make_channel(learner.target) as channel:
+            stream = TrainStream(channel)
+            resend = ledger.to_resend()
+            for request in resend:
+                await stream.send(request.group)
+            for receipt in await stream.receipts(len(resend)):
+                ledger.on_receipt(receipt)
+            await stream.call.done_writing()
+            await asyncio.wait_for(feed(stream, ledger), EVENT_TIMEOUT_S)
+    finally:
+        learner.stop()
+
+    fates = {g: f for g, f in ledger.fates.items()}
+    assert all(len(f) == 1 for f in fates.values()), fates
+    assert fates["old/2"] == ["dropped_stale"], fates
+    lines = read_metrics(run_dir / "metrics.jsonl")
+    assert [line["groups_dropped_stale"] for line in lines] == [0, 1], lines
+    assert sum(line["groups_consumed"] for line in lines) == sum(
+        f == ["consumed"] for f in fates.values()) == 2 * BATCH_GROUPS
