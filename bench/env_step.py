@@ -6,8 +6,12 @@ side by side in one run, each server in its own process:
   aviary_http    Aviary's own TaskDatasetServer (FastAPI/uvicorn, HTTP/1.1 + JSON), driven by its
                  fastest Python client: httpx with the aiohttp transport (httpx-aiohttp)
   session        sciproto `Session`: raw grpc.aio stubs, every episode multiplexed on one stream
+  session_per_episode  sciproto `Session`: raw grpc.aio stubs, one stream per episode (the
+                 other way EnvClient could use streams; measured to choose between them)
   unary          sciproto unary Reset/Step/Close: raw grpc.aio stubs, one call per operation
-  env_client     sciproto `EnvClient` through a `ReplicaPool`, what `sciproto collect` uses
+  env_client     sciproto `EnvClient` through a `ReplicaPool`, what `sciproto collect` uses:
+                 its operations on one shared Session stream per replica
+  env_client_unary  the same with EnvClient(transport="unary"): one unary call per operation
   transport_echo a bare grpc.aio Session that answers every step with an empty response (the
                  transport's floor: no environment, no checks)
   unary_echo     the same server's bare unary Step: the floor of one RPC per operation
@@ -27,7 +31,8 @@ Prints JSON (to stdout, and `--output`) with the ratios of the goals:
   session steps/s / aviary_http steps/s           at 64 and 256   (goal >= 3)
   session steps/s / in_process steps/s            at 64 and 256   (goal >= 1)
   session step p50 / in_process step p50          at 1            (goal <= 2), and the echo's
-  unary, env_client steps/s / session steps/s     at 64 and 256   (goal >= 0.85)
+  unary, env_client steps/s / session steps/s     at 64 and 256   (goal >= 0.85), and
+  env_client_unary, session_per_episode / session  (for comparison)
   2 workers / 1 worker env_client steps/s         at 256          (goal >= 1.5)
 
 Each point is measured in `--slices` slices with the systems taking turns, so that the load of
@@ -347,14 +352,49 @@ class Session(System):
         await asyncio.gather(*(channel.close() for channel in self.channels))
 
 
+class SessionPerEpisode(System):
+    """Raw grpc.aio stubs, each episode on a Session stream of its own."""
+
+    name = "session_per_episode"
+
+    def __init__(self, targets: list[str], servers: list[psutil.Process]) -> None:
+        self.targets, self.servers = targets, servers
+
+    async def start(self) -> None:
+        import grpc
+
+        from sciproto.pb import env_grpc
+
+        self.requests = _Requests()
+        self.channels = [grpc.aio.insecure_channel(target) for target in self.targets]
+        self.stubs = [env_grpc.EnvironmentServiceStub(channel) for channel in self.channels]
+
+    async def episode(self, index: int, window: Window) -> None:
+        stream, requests, pb = _Stream(self.stubs[index % len(self.stubs)]), self.requests, self.requests.pb
+        reset = requests.reset(index)
+        episode_id = (await stream.run(pb.SessionRequest(reset=reset), reset.request_id)).reset.episode_id
+        for action in (requests.calculate, requests.submit):
+            step = requests.step(episode_id, action)
+            answer = await timed(window, stream.run(pb.SessionRequest(step=step), step.request_id))
+        assert answer.step.terminated, "submit_answer ends a gsm8k episode"
+        close = requests.close(episode_id)
+        await stream.run(pb.SessionRequest(close=close), close.request_id)
+        await stream.close()
+        window.episodes += 1
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
 class EnvClientPool(System):
-    """`EnvClient` unary calls through a `ReplicaPool` (least-loaded replica per episode, the
-    episode pinned to it), as the agent loop of `sciproto collect` makes them."""
+    """`EnvClient` through a `ReplicaPool` (least-loaded replica per episode, the episode
+    pinned to it), as the agent loop of `sciproto collect` makes its calls."""
 
     name = "env_client"
 
-    def __init__(self, targets: list[str], servers: list[psutil.Process], name: str | None = None) -> None:
-        self.targets, self.servers = targets, servers
+    def __init__(self, targets: list[str], servers: list[psutil.Process], name: str | None = None,
+                 transport: str = "session") -> None:
+        self.targets, self.servers, self.transport = targets, servers, transport
         self.name = name or self.name
 
     async def start(self) -> None:
@@ -362,7 +402,9 @@ class EnvClientPool(System):
         from clients.replicas import ReplicaPool
         from sciproto.pb import ENV_SERVICE
 
-        self.pool = ReplicaPool(self.targets, EnvClient, ENV_SERVICE)
+        transport = self.transport
+        self.pool = ReplicaPool(self.targets, lambda channel: EnvClient(channel, transport=transport), ENV_SERVICE,
+                                bare_streams=True)  # as clients.agent.env_pool makes it
         self.calculate = tool_calls_action(("calculator", {"expr": EXPRESSION}))
         self.submit = tool_calls_action(("submit_answer", {"answer": ANSWER}))
 
@@ -522,8 +564,10 @@ async def run_all(seconds: float, concurrencies: list[int], workers: list[int], 
             InProcess(),
             AviaryHttp(f"http://127.0.0.1:{aviary.port}", psutil.Process(aviary.process.pid)),
             Session([ours.target], server),
+            SessionPerEpisode([ours.target], server),
             Unary([ours.target], server),
             EnvClientPool([ours.target], server),
+            EnvClientPool([ours.target], server, name="env_client_unary", transport="unary"),
             *(EnvClientPool(worker_targets(process), [psutil.Process(process.process.pid)],
                             name=f"env_client_{n}_workers") for n, process in scaled.items()),
         ]
@@ -567,6 +611,8 @@ def ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]
     out: dict[str, float] = {
         f"session_p50_over_in_process_p50_at_{low}":
             results["session"][str(low)]["step_p50_ms"] / results["in_process"][str(low)]["step_p50_ms"],
+        f"env_client_p50_over_in_process_p50_at_{low}":
+            results["env_client"][str(low)]["step_p50_ms"] / results["in_process"][str(low)]["step_p50_ms"],
         f"echo_p50_over_in_process_p50_at_{low}":
             results["transport_echo"][str(low)]["step_p50_ms"] / results["in_process"][str(low)]["step_p50_ms"],
     }
@@ -577,6 +623,8 @@ def ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]
         out[f"session_over_in_process_at_{at}"] = rate("session", at) / rate("in_process", at)
         out[f"unary_over_session_at_{at}"] = rate("unary", at) / rate("session", at)
         out[f"env_client_over_session_at_{at}"] = rate("env_client", at) / rate("session", at)
+        out[f"env_client_unary_over_session_at_{at}"] = rate("env_client_unary", at) / rate("session", at)
+        out[f"session_per_episode_over_session_at_{at}"] = rate("session_per_episode", at) / rate("session", at)
         out[f"aviary_http_server_cpu_over_session_at_{at}"] = (
             results["aviary_http"][str(at)]["server_cpu_ms_per_step"]
             / results["session"][str(at)]["server_cpu_ms_per_step"])

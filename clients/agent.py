@@ -83,13 +83,16 @@ T = TypeVar("T")
 EnvPool = ReplicaPool[EnvClient]
 PolicyPool = ReplicaPool[PolicyClient]
 
-# Errors no retry or restart can cure: the collection stops and says what to fix.
-_TASK_REASONS = {Reason.UNKNOWN_ENVIRONMENT, Reason.UNKNOWN_SPLIT, Reason.TASK_OUT_OF_RANGE}
-_FATAL = (Unauthenticated, PermissionDenied)
+# Errors no retry or restart can cure (shared with the step-group runner): a task whose name the
+# server refuses is rejected (TaskRejected); an auth refusal stops the collection and says what to fix.
+TASK_REASONS = {Reason.UNKNOWN_ENVIRONMENT, Reason.UNKNOWN_SPLIT, Reason.TASK_OUT_OF_RANGE}
+FATAL_ERRORS = (Unauthenticated, PermissionDenied)
 
 
 def env_pool(targets: Sequence[str | ChannelConfig], **options: object) -> EnvPool:
-    """A pool of env server replicas; options as for ReplicaPool."""
+    """A pool of env server replicas; options as for ReplicaPool. Its channels leave the shared
+    Session stream uncovered by the default interceptors when there is no token (bare_streams)."""
+    options.setdefault("bare_streams", True)
     return ReplicaPool(targets, EnvClient, pb.ENV_SERVICE, **options)  # type: ignore[arg-type]
 
 
@@ -388,7 +391,7 @@ class Episode:
             return Completion(group.prompt_token_ids, group.samples[0])
 
     def _policy_failure(self, error: SciprotoError) -> Exception:
-        if isinstance(error, _FATAL):
+        if isinstance(error, FATAL_ERRORS):
             return error
         return EpisodeFailed(f"policy Generate failed: {error.code.name} {error.reason}: {error.message}",
                              restartable=False)
@@ -428,10 +431,10 @@ class Episode:
         except (DeadlineExceeded, ResourceExhausted) as error:
             self.failed_replicas.add(replica)
             raise EpisodeFailed(f"{what} on {replica.target}: {error.message}", restartable=True) from error
-        except _FATAL:
+        except FATAL_ERRORS:
             raise
         except SciprotoError as error:
-            if error.reason in _TASK_REASONS:
+            if error.reason in TASK_REASONS:
                 raise TaskRejected(f"environment refused task {self.task.group_id}: {error.message}") from error
             restartable = isinstance(error, NotFound) and error.reason == Reason.EPISODE_NOT_FOUND
             raise EpisodeFailed(f"{what} failed: {error.code.name} {error.reason}: {error.message}",

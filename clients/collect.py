@@ -23,6 +23,7 @@ a summary table and writes it to `<stem>.summary.json`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import (
@@ -191,9 +192,12 @@ async def collect(
         raise ValueError(f"samples ({samples}) and concurrency ({concurrency}) must be >= 1")
     settings = AgentSettings(sampling or Sampling(), max_steps, max_tokens, retries or RetryPolicy(),
                              deadlines or Deadlines(), dict(options or {}))
-    async for group in _stream(tasks, max(1, concurrency // samples),
-                               lambda task: run_group(task, samples, env, policy, settings)):
-        yield group
+    # aclosing: when the caller leaves early, the runs in flight are cancelled and their episodes
+    # closed before this generator's aclose() returns, not later when the inner one is collected.
+    async with contextlib.aclosing(_stream(tasks, max(1, concurrency // samples),
+                                           lambda task: run_group(task, samples, env, policy, settings))) as groups:
+        async for group in groups:
+            yield group
 
 
 async def collect_step_tasks(
@@ -210,9 +214,11 @@ async def collect_step_tasks(
     groups as soon as the task is done."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    async for task in _stream(tasks, max(1, concurrency // grouping.group_size),
-                              lambda task: run_step_task(task, env, policy, settings, grouping, settings.options)):
-        yield task
+    async with contextlib.aclosing(_stream(
+            tasks, max(1, concurrency // grouping.group_size),
+            lambda task: run_step_task(task, env, policy, settings, grouping, settings.options))) as done:
+        async for task in done:
+            yield task
 
 
 # -------------------------------------------------------------------- the command

@@ -65,6 +65,7 @@ class ReplicaPool(Generic[ClientT]):
         probe_timeout_s: float = 2.0,
         wait_for_healthy_s: float = 30.0,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        bare_streams: bool = False,
     ) -> None:
         if not targets:
             raise ValueError(f"give at least one {service} address (HOST:PORT)")
@@ -72,6 +73,7 @@ class ReplicaPool(Generic[ClientT]):
         self.service = service
         self._make_client = make_client
         self._interceptors = list(interceptors)
+        self._bare_streams = bare_streams  # as for make_channel
         self.replicas: list[Replica[ClientT]] = [self._connect(config) for config in configs]
         self.probe_interval_s = probe_interval_s
         self.probe_max_interval_s = probe_max_interval_s
@@ -81,7 +83,7 @@ class ReplicaPool(Generic[ClientT]):
         self._changed = asyncio.Condition()
 
     def _connect(self, config: ChannelConfig) -> Replica[ClientT]:
-        channel = make_channel(config, self._interceptors)
+        channel = make_channel(config, self._interceptors, bare_streams=self._bare_streams)
         return Replica(config=config, channel=channel, client=self._make_client(channel))
 
     @property

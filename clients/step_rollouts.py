@@ -29,8 +29,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from clients.agent import (
-    _FATAL,
-    _TASK_REASONS,
+    FATAL_ERRORS,
+    TASK_REASONS,
     AgentSettings,
     EnvPool,
     PolicyPool,
@@ -168,16 +168,16 @@ async def run_step_task(task: TaskKey, env: EnvPool, policy: PolicyPool, setting
             except Unavailable as error:
                 env.mark_down(replica, error)
                 raise
-    except _FATAL:
+    except FATAL_ERRORS:
         raise
     except InvalidArgument as error:
-        if error.reason in _TASK_REASONS or error.reason == Reason.INVALID_REQUEST:
+        if error.reason in TASK_REASONS or error.reason == Reason.INVALID_REQUEST:
             raise TaskRejected(f"environment refused task {task.group_id}: {error.message}") from error
         result.error = f"{error.code.name} {error.reason}: {error.message}"
     except BranchFailed as error:
         result.error = str(error)
     except SciprotoError as error:
-        if error.reason in _TASK_REASONS:
+        if error.reason in TASK_REASONS:
             raise TaskRejected(f"environment refused task {task.group_id}: {error.message}") from error
         result.error = f"{error.code.name} {error.reason}: {error.message}"
     if result.error is not None:

@@ -38,6 +38,7 @@ from sciproto.errors import (
     NotFound,
     Reason,
     SciprotoError,
+    Unavailable,
     Unimplemented,
 )
 from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
@@ -81,6 +82,13 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                                         config.step_timeout_s, config.retry_after_s)
         self.idempotency = IdempotencyCache(config.idempotency_cache_size, config.idle_ttl_s)
         self.tools_seen: dict[str, list[common_pb2.ToolSpec]] = {}  # env -> tools of its last reset
+        self.draining = False  # shutting down: no new episodes, operations on open ones go on
+
+    def drain(self) -> None:
+        """Open no new episodes from now on (Reset and Fork answer UNAVAILABLE SHUTTING_DOWN),
+        also on Session streams already open, which the server's shutdown lets run out its grace
+        period; operations on open episodes go on."""
+        self.draining = True
 
     def start(self) -> None:
         self.registry.start()
@@ -126,6 +134,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             return response
 
     async def _reset(self, request: env_pb2.ResetRequest) -> env_pb2.ResetResponse:
+        self._refuse_if_draining("Reset")
         source = self._source(request.env)
         options = dict(request.options)
         try:
@@ -184,6 +193,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             return response
 
     async def _fork(self, request: env_pb2.ForkRequest) -> env_pb2.ForkResponse:
+        self._refuse_if_draining("Fork")
         parent = self.registry.get(request.episode_id)
         source = self.sources[parent.env_name]
         if source.fork_mode == FORK_UNSUPPORTED:
@@ -286,6 +296,11 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                                      grader_version=grader_version)
 
     # ------------------------------------------------------------ checks
+
+    def _refuse_if_draining(self, operation: str) -> None:
+        if self.draining:
+            raise Unavailable(f"this env server is shutting down: it finishes the episodes it has but opens no"
+                              f" new ones; send the {operation} to another replica", Reason.SHUTTING_DOWN)
 
     def _source(self, env: str) -> EnvironmentSource:
         source = self.sources.get(env)

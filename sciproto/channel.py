@@ -151,16 +151,27 @@ class _StreamStreamDefaults(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self.defaults.details(details, False), request_iterator)
 
 
-def _default_interceptors(config: ChannelConfig) -> list[grpc.aio.ClientInterceptor]:
+def _default_interceptors(config: ChannelConfig, bare_streams: bool) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for the call kinds that need one. bare_streams: without a token, calls with
+    a request stream need nothing (they take no default deadline), so leave them uncovered,
+    sparing every message of theirs grpc.aio's intercepted-stream path (a queue and a task per
+    write)."""
     defaults = _Defaults(config.default_timeout_s, config.bearer_token())
-    return [kind(defaults) for kind in (_UnaryUnaryDefaults, _UnaryStreamDefaults, _StreamUnaryDefaults, _StreamStreamDefaults)]
+    kinds: list[type[grpc.aio.ClientInterceptor]] = [_UnaryUnaryDefaults, _UnaryStreamDefaults]
+    has_token = config.token is not None or config.token_file is not None or config.token_env is not None
+    if has_token or not bare_streams:
+        kinds += [_StreamUnaryDefaults, _StreamStreamDefaults]
+    return [kind(defaults) for kind in kinds]  # type: ignore[call-arg]
 
 
-def make_channel(config: ChannelConfig | str, interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to one server, configured as `config` says."""
+def make_channel(config: ChannelConfig | str, interceptors: list[grpc.aio.ClientInterceptor] | None = None,
+                 *, bare_streams: bool = False) -> grpc.aio.Channel:
+    """An asyncio channel to one server, configured as `config` says. bare_streams: calls with a
+    request stream go uncovered by the default interceptors when there is no token (the env
+    client's shared Session stream, where every message counts)."""
     if isinstance(config, str):
         config = ChannelConfig(target=config)
-    all_interceptors = [*_default_interceptors(config), *(interceptors or [])]
+    all_interceptors = [*_default_interceptors(config, bare_streams), *(interceptors or [])]
     if config.tls is not None:
         return grpc.aio.secure_channel(config.target, config.tls.credentials(), config.options(), interceptors=all_interceptors)
     return grpc.aio.insecure_channel(config.target, config.options(), interceptors=all_interceptors)

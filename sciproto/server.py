@@ -104,6 +104,12 @@ class RunningServer:
 
     async def _stop(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in self.services:
+            # New calls are refused by the server from here on; a service with long-lived
+            # streams (which run on through the grace period) stops taking new work on them.
+            drain = getattr(service.servicer, "drain", None)
+            if drain is not None:
+                drain()
         log.info("draining in-flight calls (grace %.1f s)", self.grace_period_s)
         await self.server.stop(self.grace_period_s)
         for service in self.services:

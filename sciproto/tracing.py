@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.instrumentation.grpc import (
@@ -236,6 +237,17 @@ def current_trace_context() -> common_pb2.TraceContext:
     carrier = _carrier_of_current_span()
     return common_pb2.TraceContext(traceparent=carrier.get("traceparent", ""),
                                    tracestate=carrier.get("tracestate", ""))
+
+
+@contextlib.contextmanager
+def outside_any_trace() -> Iterator[None]:
+    """No current span for the block: a long-lived call started here (a stream shared by many
+    episodes) gets a trace of its own instead of joining whichever episode happened to start it."""
+    token = otel_context.attach(Context())
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def current_trace_id() -> str:

@@ -105,13 +105,25 @@ def server_rpc_spans(spans: list[Span]) -> list[Span]:
 
 
 def test_server_spans_are_children_of_the_clients_calls(run: Run) -> None:
+    """Policy calls are RPCs: the client's CLIENT span, the server's RPC span under it. Env
+    operations travel on EnvClient's shared Session stream: each server-side operation span
+    hangs directly under the agent's span for it, named by the request's trace_context, and the
+    stream's own RPC span is in a trace of its own, outside every episode."""
     by_id = run.by_id()
     client_ids = {span["span_id"] for span in run.client}
-    episode_rpcs = [span for span in server_rpc_spans([*run.env, *run.policy])
-                    if span["trace_id"] in {rollout.trace_id for rollout in run.rollouts}]
-    assert {span["name"] for span in episode_rpcs} == {
-        f"/{pb.ENV_SERVICE}/{method}" for method in ("Reset", "Step", "Verify", "Close")} | {
-        f"/{pb.POLICY_SERVICE}/Generate"}
+    episode_traces = {rollout.trace_id for rollout in run.rollouts}
+    episode_rpcs = [span for span in server_rpc_spans([*run.env, *run.policy]) if span["trace_id"] in episode_traces]
+    assert {span["name"] for span in episode_rpcs} == {f"/{pb.POLICY_SERVICE}/Generate"}
+    env_operations = [span for span in run.env if span["trace_id"] in episode_traces]
+    assert {span["name"].split()[0] for span in env_operations} == {
+        f"sciproto.env.{operation}" for operation in ("reset", "step", "verify", "close")}
+    for operation in env_operations:
+        assert operation["kind"] == "SERVER" and operation["parent_span_id"] in client_ids
+        agent = by_id[operation["parent_span_id"]]
+        assert agent["service_name"] == "sciproto-rollout" and agent["name"] == operation["name"]
+        assert agent["trace_id"] == operation["trace_id"]
+    streams = [span for span in server_rpc_spans(run.env) if span["name"] == f"/{pb.ENV_SERVICE}/Session"]
+    assert streams and not {span["trace_id"] for span in streams} & episode_traces
     for rpc in episode_rpcs:
         assert rpc["parent_span_id"] in client_ids, f"{rpc['name']}: its parent is in the client's file"
         call = by_id[rpc["parent_span_id"]]
@@ -135,8 +147,8 @@ def test_env_server_spans_carry_env_episode_and_reward(run: Run) -> None:
         for span in (reset, step, verify, close):
             assert span["attributes"][Attr.ENV_NAME] == "toy"
             assert span["attributes"][Attr.EPISODE_ID] == episode_id
-            assert by_name[f"/{pb.ENV_SERVICE}/{span['name'].split()[0].rsplit('.', 1)[1].title()}"]["span_id"] \
-                == span["parent_span_id"], "under the server's own span of the RPC"
+            agent = only([client for client in run.client if client["span_id"] == span["parent_span_id"]])
+            assert agent["name"] == span["name"], "under the agent's span for the operation"
         assert step["attributes"][Attr.REWARD_VALUE] == pytest.approx(rollout.reward)
         assert verify["attributes"][Attr.REWARD_VALUE] == pytest.approx(rollout.reward)
         assert verify["attributes"][Attr.REWARD_STATUS] == rollout.status.value == "SCORED"

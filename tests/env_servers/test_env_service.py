@@ -55,8 +55,9 @@ async def test_describe_reports_versions_envs_splits_and_limits(env_server: Serv
     assert tools["gsm8k"] == ["calculator", "submit_answer"]  # known once a gsm8k episode was reset
 
 
-async def test_gsm8k_episode_over_unary_calls(env_server: ServerProcess) -> None:
-    async with EnvClient(env_server.target) as client:
+@pytest.mark.parametrize("transport", ["unary", "session"])
+async def test_gsm8k_episode_over_unary_calls_and_the_shared_stream(env_server: ServerProcess, transport: str) -> None:
+    async with EnvClient(env_server.target, transport=transport) as client:
         reset = await client.reset("gsm8k", split="test", index=0)
         assert [tool.name for tool in reset.tools] == ["calculator", "submit_answer"]
         assert reset.observations[0].content == reset.task_summary["question"]

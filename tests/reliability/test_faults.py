@@ -5,6 +5,7 @@ flight, and client deadlines shorter than a slow step."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -196,8 +197,9 @@ async def counters(client: EnvClient):
     return (await client.describe(timeout=10)).counters
 
 
-async def test_unary_deadline_shorter_than_a_slow_step(notebook_server: ServerProcess) -> None:
-    async with EnvClient(notebook_server.target) as client:
+@pytest.mark.parametrize("transport", ["unary", "session"])
+async def test_client_deadline_shorter_than_a_slow_step(notebook_server: ServerProcess, transport: str) -> None:
+    async with EnvClient(notebook_server.target, transport=transport) as client:
         live_before = (await counters(client)).live_episodes
         reset = await client.reset("notebook", split="test", index=1)
         steps_before = (await counters(client)).steps
@@ -238,6 +240,130 @@ async def test_session_deadline_then_stream_end_closes_the_busy_episode(notebook
         await client.close(again.episode_id)
 
 
+# ---------------------------------------------------------------- (e) EnvClient's shared stream cut
+
+
+class DroppingProxy:
+    """A loopback TCP forwarder whose connections can be cut at once, as a network would."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.upstream_port = int(port)
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.connections = 0
+
+    async def __aenter__(self) -> DroppingProxy:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.target = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.server.close()
+        self.drop()
+        await asyncio.wait_for(self.server.wait_closed(), 10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
+        self.writers |= {writer, up_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self.writers -= {writer, up_writer}
+
+    def drop(self) -> None:
+        for writer in list(self.writers):
+            writer.transport.abort()  # RST: the peer sees the connection reset
+        self.writers.clear()
+
+
+async def test_dropped_connection_loses_the_streams_episodes_and_the_next_call_opens_a_new_stream(
+    notebook_server: ServerProcess,
+) -> None:
+    """EnvClient runs its episodes on one Session stream. A dropped connection ends the stream;
+    the server closes its episodes (the protocol says so), the client reports them lost with
+    the stream's error and its next operation opens a new stream."""
+    async with EnvClient(notebook_server.target, transport="unary") as direct, \
+            DroppingProxy(notebook_server.target) as proxy, \
+            EnvClient(ChannelConfig(target=proxy.target, max_attempts=1)) as client:
+        live_before = (await counters(direct)).live_episodes
+        reset = await client.reset("notebook", split="test", index=1, timeout=60)
+        slow = asyncio.ensure_future(client.step(
+            reset.episode_id, edit_cell(f"import time\ntime.sleep({SLOW_CELL_S})"), timeout=60))
+        await asyncio.sleep(0.8)  # the step runs in its kernel
+        assert (await counters(direct)).live_episodes == live_before + 1
+        proxy.drop()
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await slow
+        assert time.monotonic() - started < 10, "the step in flight waited for its deadline"
+
+        with pytest.raises(Unavailable) as lost:
+            await client.step(reset.episode_id, edit_cell("print(1)"), timeout=10)
+        assert "opened on a Session stream that ended" in lost.value.message
+        assert "start it again from Reset" in lost.value.message
+        assert not (await client.close(reset.episode_id)).closed
+        # The server closed the episode with its stream.
+        deadline = time.monotonic() + 30
+        while (live := (await counters(direct)).live_episodes) != live_before and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert live == live_before, "the episode of the cut stream is still open on the server"
+
+        # The next operation opens a new connection and stream; its episodes run as before.
+        again = await client.reset("notebook", split="test", index=1, timeout=60)
+        step = await client.step(again.episode_id, edit_cell("print(6 * 7)"), timeout=60)
+        assert step.step_count == 1 and any("42" in m.content for m in step.observations), step
+        assert (await client.close(again.episode_id)).closed
+        assert proxy.connections == 2
+
+
+async def test_env_server_killed_mid_step_is_unavailable_and_a_restarted_one_serves_the_same_client() -> None:
+    """A server that dies (SIGKILL) under a step on the shared stream: the step fails with
+    UNAVAILABLE at once, as over unary calls, so the agent marks the replica down and starts the
+    episode again elsewhere; the episode stays lost; the same client uses a restarted server."""
+    port = free_port()
+    args = [*NOTEBOOK_ARGS[:4], "--port", str(port), *NOTEBOOK_ARGS[6:]]
+    server = start_server(args)
+    try:
+        async with EnvClient(ChannelConfig(target=server.target, max_attempts=1)) as client:
+            reset = await client.reset("notebook", split="test", index=0, timeout=60)
+            slow = asyncio.ensure_future(client.step(
+                reset.episode_id, edit_cell(f"import time\ntime.sleep({SLOW_CELL_S})"), timeout=60))
+            await asyncio.sleep(0.8)
+            server.kill()
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await slow
+            assert time.monotonic() - started < 10, "the step in flight waited for its deadline"
+            with pytest.raises(Unavailable) as lost:
+                await client.verify(reset.episode_id, timeout=10)
+            assert reset.episode_id in lost.value.message
+            with pytest.raises(Unavailable):  # nothing listens: the new stream fails to open
+                await client.reset("notebook", split="test", index=0, timeout=10)
+
+            server = start_server(args)
+            deadline = time.monotonic() + 60
+            while True:  # the channel reconnects within its backoff
+                try:
+                    again = await client.reset("notebook", split="test", index=0, timeout=30)
+                    break
+                except Unavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            step = await client.step(again.episode_id, edit_cell("print(2 + 3)"), timeout=60)
+            assert step.step_count == 1 and any("5" in m.content for m in step.observations), step
+            assert (await client.close(again.episode_id)).closed
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- (c) graceful shutdown
 
 
@@ -260,6 +386,10 @@ async def test_sigterm_lets_steps_in_flight_finish_refuses_new_resets_and_exits_
         async with EnvClient(ChannelConfig(target=server.target, max_attempts=1)) as newcomer:
             with pytest.raises(Unavailable):
                 await newcomer.reset("notebook", split="test", index=3, timeout=10)
+        # The client's own Session stream runs on through the grace period, but opens no new episode.
+        with pytest.raises(Unavailable) as draining:
+            await client.reset("notebook", split="test", index=3, timeout=10)
+        assert draining.value.reason == Reason.SHUTTING_DOWN, draining.value
 
         finished = await asyncio.gather(*steps)
     for step in finished:
