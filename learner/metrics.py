@@ -11,7 +11,9 @@ metrics.jsonl holds one JSON object per optimizer step, among them:
     (on arrival); tokens_per_s_generation, tokens_per_s_training,
     wait_rollouts_s, train_s, weight_sync_s, time_s (seconds since the learner started)
 
-A resumed run appends to the same file, so the plot covers the whole run.
+A resumed run appends to the same file, so the plot covers the whole run, after cutting it back
+to where its checkpoint recorded the file ended (`truncate`): the lines of steps trained after
+that checkpoint belong to steps the crash lost, which are trained again.
 """
 
 from __future__ import annotations
@@ -105,13 +107,35 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def position(self) -> int:
+        """Bytes of metrics.jsonl written so far (every logged line is flushed): a checkpoint
+        records it, and the learner resumed from that checkpoint `truncate`s the file there."""
+        return self._file.tell()
+
+    def truncate(self, position: int) -> int:
+        """Cut metrics.jsonl at `position` (a checkpoint's `position()`): the lines after it are of
+        steps the learner trained after that checkpoint, lost by a crash and trained again, or a
+        line torn by the crash. Returns how many lines were dropped."""
+        self._file.close()
+        data = self.path.read_bytes()
+        if len(data) > position:
+            tail = data[position:]
+            staging = self.path.with_suffix(".tmp")
+            staging.write_bytes(data[:position])
+            staging.replace(self.path)
+            dropped = tail.count(b"\n") + (not tail.endswith(b"\n"))
+        else:
+            dropped = 0
+        self._file = self.path.open("a", encoding="utf-8")
+        return dropped
+
     def rewind(self, step: int) -> int:
-        """Drop the lines of steps after `step` (the step the learner resumed at): a learner killed
-        after logging a step but before checkpointing it trains that step again, and its first
-        line would count the step's groups twice. Returns how many lines were dropped."""
+        """Drop the lines of steps after `step` (the step the learner resumed at), and torn ones:
+        for a checkpoint that did not record `position()` (or none). Returns how many lines were
+        dropped."""
         self._file.close()
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and int(json.loads(line)["step"]) <= step]
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
         if len(kept) != len(lines):
             staging = self.path.with_suffix(".tmp")
             staging.write_text("".join(kept), encoding="utf-8")
@@ -147,6 +171,14 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a blank line or one a crash tore."""
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _optional_import(module: str, package: str) -> Any:

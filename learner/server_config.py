@@ -41,6 +41,18 @@ class FaultInjection(BaseModel):
             "error before training; their groups go back to the buffer like any failed step's"
         ),
     )
+    hold_at: Literal["after_train", "after_metrics", "in_checkpoint", "after_checkpoint"] | None = (
+        Field(
+            None,
+            description=(
+                "Stop making progress (the process stays up, for a test to SIGKILL it) at this "
+                "point of optimizer step `hold_step`: after the trainer stepped, after the metrics "
+                "line, between the checkpoint's trainer files and its learner_state.json, or after "
+                "the whole checkpoint. The learner logs 'holding at <point> of step <n>' first"
+            ),
+        )
+    )
+    hold_step: int = Field(1, ge=1, description="The optimizer step `hold_at` applies to")
 
 
 class LearnerServerConfig(BaseModel):

@@ -29,7 +29,17 @@ is refused by the config.
 A stream the client half-closes ends once no further step can come from what is buffered (no
 step running and fewer than batch_groups groups waiting, or max_steps reached); until then it
 still carries step results. Checkpoints (SaveCheckpoint, every checkpoint_every steps, and at
-shutdown) hold the trainer state plus `learner_state.json`: the group ids trained so far and the buffer counters.
+shutdown) hold the trainer state plus `learner_state.json`: the group ids trained so far, those
+a step dropped as stale, where metrics.jsonl ended, and the buffer counters.
+
+Crash consistency: a step writes its metrics line, then its checkpoint (learner_state.json last:
+the checkpoint counts only once it exists), and only then tells the clients which groups it
+consumed. A learner killed before that file exists told no client of the step: it resumes at
+the previous checkpoint, cuts metrics.jsonl back to where that checkpoint recorded, and trains
+the groups the clients send again. Killed after it, the resent groups are refused as
+duplicates with their fate. Steps between checkpoints (checkpoint_every > 1, or 0) are told to
+the clients at once and are lost with a crash; only checkpoint_every 1 trains and counts every
+group exactly once through one.
 """
 
 from __future__ import annotations
@@ -160,6 +170,11 @@ class LearnerState(BaseModel):
     """What a checkpoint adds to the trainer state so a restart counts no group twice."""
 
     trained_group_ids: list[str] = []
+    # Groups a step dropped as stale (named in its step result): a resend is refused as duplicate.
+    dropped_stale_group_ids: list[str] = []
+    # Bytes of metrics.jsonl up to this checkpoint's step; a resumed learner cuts the file there
+    # (None in checkpoints written before it was recorded: lines of later steps are dropped).
+    metrics_bytes: int | None = None
     groups_received: int = 0
     groups_dropped_stale: int = 0
     groups_skipped_equal: int = 0
@@ -212,6 +227,7 @@ class LearnerServicer:
         self.vocab_size = trainer.model.get_input_embeddings().num_embeddings
         self.seen_group_ids: set[str] = set()
         self.trained_group_ids: set[str] = set()
+        self.dropped_stale_group_ids: set[str] = set()
         self.groups_duplicate = 0
         # Every open TrainStep call, and which one each accepted, not yet settled group came by.
         self._streams: set[_Stream] = set()
@@ -240,13 +256,16 @@ class LearnerServicer:
         """Resume from the run directory's latest checkpoint, align the policy servers' weights
         with ours, and start the optimizer loop."""
         resumed = await self._resume()
-        dropped = self.metrics.rewind(self.trainer.step)
+        if resumed is not None and resumed.metrics_bytes is not None:
+            dropped = self.metrics.truncate(resumed.metrics_bytes)
+        else:  # no checkpoint, or one that did not record where the metrics ended
+            dropped = self.metrics.rewind(self.trainer.step)
         if dropped:
-            log.info("dropped %d metrics lines of steps after step %d, which are trained again",
-                     dropped, self.trainer.step)
+            log.info("dropped %d metrics lines written after the checkpoint of step %d, whose "
+                     "steps are trained again", dropped, self.trainer.step)
         if self.pusher is not None:
             serving = await self.pusher.serving_versions()
-            if resumed or any(v != self.trainer.policy_version for v in serving):
+            if resumed is not None or any(v != self.trainer.policy_version for v in serving):
                 self.trainer.policy_version = version_after_resume(
                     self.trainer.policy_version, serving
                 )
@@ -255,15 +274,21 @@ class LearnerServicer:
             self._reconcile_task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._loop_task = asyncio.create_task(self._optimizer_loop(), name="optimizer loop")
 
-    async def _resume(self) -> bool:
+    async def _resume(self) -> LearnerState | None:
+        """Load the latest complete checkpoint; its learner state, or None without one."""
         path = latest_learner_checkpoint(self.config.run_dir)
         if path is None:
-            return False
+            return None
         await asyncio.to_thread(load_checkpoint, self.trainer, path)
         state = LearnerState.model_validate_json((path / LEARNER_STATE_FILE).read_text())
         self.trained_group_ids = set(state.trained_group_ids)
         self.seen_group_ids = set(state.trained_group_ids)
-        self._fate = dict.fromkeys(state.trained_group_ids, "consumed")
+        self.dropped_stale_group_ids = set(state.dropped_stale_group_ids)
+        self.seen_group_ids |= self.dropped_stale_group_ids
+        self._fate = {
+            **dict.fromkeys(state.dropped_stale_group_ids, "stale"),
+            **dict.fromkeys(state.trained_group_ids, "consumed"),
+        }
         counters = self.buffer.counters
         counters.groups_received = state.groups_received
         counters.dropped_stale = state.groups_dropped_stale
@@ -276,7 +301,7 @@ class LearnerServicer:
             self.trainer.policy_version,
             len(self.trained_group_ids),
         )
-        return True
+        return state
 
     async def aclose(self, timeout_s: float = 600.0) -> None:
         """Finish the step in progress, stop the loop, save a final checkpoint."""
@@ -352,6 +377,7 @@ class LearnerServicer:
         train_started = time.monotonic()
         metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
         train_s = time.monotonic() - train_started
+        await self._fault_hold("after_train")
         consumed = [g.group_id for g in groups]
         dropped = self.buffer.drain_dropped()
         self._step_settled = True
@@ -361,6 +387,7 @@ class LearnerServicer:
             self._failed_attempts.pop(group_id, None)
         for group_id in dropped:
             self._fate[group_id] = "stale"
+        self.dropped_stale_group_ids.update(dropped)
         pushed, sync_s = False, 0.0
         if (
             metrics.trained
@@ -402,8 +429,43 @@ class LearnerServicer:
         }
         self._last_step_end, self._tokens_since_step = now, 0
         self._since_step = dict.fromkeys(self._since_step, 0)
+        # Crash-consistent order: metrics line, then checkpoint (which records where metrics.jsonl
+        # ends and every group this step settled), then the step result. A learner killed before
+        # the checkpoint's learner_state.json exists resumes at the previous step, cuts the line
+        # off and trains the step again on the groups the clients send again (no client was told
+        # of it); killed after, it resumes here and refuses the resent groups as duplicates.
         if metrics.trained:
             self.metrics.log(record)
+            await self._fault_hold("after_metrics")
+        log.info(
+            "step %d version %d reward %.3f lag %.2f train %.2fs sync %.2fs",
+            self.trainer.step,
+            self.trainer.policy_version,
+            metrics.reward_mean,
+            lag_mean,
+            train_s,
+            sync_s,
+        )
+        try:
+            if (
+                metrics.trained
+                and config.checkpoint_every
+                and self.trainer.step % config.checkpoint_every == 0
+            ):
+                await self._save_checkpoint_locked(config.run_dir)
+                await self._fault_hold("after_checkpoint")
+        finally:  # trained: the clients hear of it even when the checkpoint failed
+            self._send_step_result(record, groups, consumed, dropped, pushed)
+
+    def _send_step_result(
+        self,
+        record: dict[str, Any],
+        groups: list[RolloutGroup],
+        consumed: list[str],
+        dropped: list[str],
+        pushed: bool,
+    ) -> None:
+        """To every open stream: the step, naming the stream's own consumed and dropped groups."""
         numbers = {
             k: float(v)
             for k, v in record.items()
@@ -425,21 +487,13 @@ class LearnerServicer:
             )
         for group_id in consumed + dropped:
             self._owner.pop(group_id, None)
-        log.info(
-            "step %d version %d reward %.3f lag %.2f train %.2fs sync %.2fs",
-            self.trainer.step,
-            self.trainer.policy_version,
-            metrics.reward_mean,
-            lag_mean,
-            train_s,
-            sync_s,
-        )
-        if (
-            metrics.trained
-            and config.checkpoint_every
-            and self.trainer.step % config.checkpoint_every == 0
-        ):
-            await self._save_checkpoint_locked(config.run_dir)
+
+    async def _fault_hold(self, point: str) -> None:
+        """learner.faults.hold_at: stop here (for a test to SIGKILL the process at this point)."""
+        faults = self.config.faults
+        if faults.hold_at == point and self.trainer.step == faults.hold_step:
+            log.warning("holding at %s of step %d (learner.faults.hold_at)", point, self.trainer.step)
+            await asyncio.Event().wait()
 
     def _by_owner(self, group_ids: list[str]) -> dict[_Stream, set[str]]:
         """Every open stream with the ids among `group_ids` it owns (maybe none)."""
@@ -539,9 +593,12 @@ class LearnerServicer:
     async def _save_checkpoint_locked(self, root: Path) -> Path:
         """Write trainer and learner state; the caller holds the step lock."""
         path = await asyncio.to_thread(save_checkpoint, self.trainer, root)
+        await self._fault_hold("in_checkpoint")
         counters = self.buffer.counters
         state = LearnerState(
             trained_group_ids=sorted(self.trained_group_ids),
+            dropped_stale_group_ids=sorted(self.dropped_stale_group_ids),
+            metrics_bytes=self.metrics.position(),
             groups_received=counters.groups_received,
             groups_dropped_stale=counters.dropped_stale,
             groups_skipped_equal=counters.dropped_all_equal,

@@ -155,8 +155,12 @@ async def test_every_group_is_accounted_once_through_a_learner_crash_a_failed_st
     env: ServerProcess, policy: ServerProcess, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
+    steps = 8  # the budget of both clients
+    # max_steps as `sciproto train` sets it from the budget: without it the learner may train a
+    # step 9 on groups still buffered after both clients stopped at step 8, which no client hears
+    # of (they count its groups pending) while metrics.jsonl counts them consumed.
     learner_yaml = write_learner_config(tmp_path / "learner.yaml", policy, run_dir, 1,
-                                        faults={"fail_step_attempts": [2]})
+                                        faults={"fail_step_attempts": [2]}, max_steps=steps)
     learner = start_server(["serve", "learner", "--config", str(learner_yaml), "--port", "0"])
     port = learner.port
     killed_with: list[int] = []
@@ -180,7 +184,7 @@ async def test_every_group_is_accounted_once_through_a_learner_crash_a_failed_st
     try:
         crash = asyncio.ensure_future(crash_when_buffered())
         outcomes = await asyncio.wait_for(asyncio.gather(*(
-            run_rollouts_into_learner(client_config(tasks, 8, 1), env.target, policy.target,
+            run_rollouts_into_learner(client_config(tasks, steps, 1), env.target, policy.target,
                                       learner.target, tmp_path / name, asyncio.Event())
             for tasks, name in (("toy:train", "a"), ("toy:test", "b"))
         )), RUN_TIMEOUT_S)
