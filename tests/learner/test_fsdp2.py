@@ -49,6 +49,10 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
         save_checkpoint(trainer, out_dir)
         if rank == 0:
             torch.save({"figures": figures, "weights": weights}, Path(out_dir) / "result.pt")
+        # Both ranks meet before either tears its process group down: a rank that destroys it
+        # while the other still has gloo work in flight can abort that one (SIGABRT, "terminate
+        # called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -93,6 +97,7 @@ def _bf16_worker(rank: int, rendezvous: str, out_dir: str) -> None:
         if rank == 0:
             torch.save({"figures": figures, "start": start, "weights": weights, "shard_dtypes": shard_dtypes},
                        Path(out_dir) / "result.pt")
+        dist.barrier()  # as in _worker: no rank tears down under the other's gloo work
     finally:
         dist.destroy_process_group()
 
