@@ -248,7 +248,7 @@ def test_a_stalled_run_says_why(tmp_path: Path) -> None:
     """Greedy sampling: every sample of a group is the same reply with the same reward, so no
     group carries signal and no step can run; the run must say so, not sit silent."""
     done = run_cli(f"run.dir={tmp_path}", "rollout.sampling.temperature=0",
-                   "budget.max_seconds=45", "display.stall_after_s=10", "progress=false",
+                   "budget.max_seconds=25", "display.stall_after_s=5", "progress=false",
                    timeout_s=240)
     assert done.returncode == 0, done.stderr[-3000:]
     stalled = [line for line in done.stderr.splitlines() if "no optimizer step for" in line]
