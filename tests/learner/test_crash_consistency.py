@@ -66,6 +66,18 @@ async def wait_for_line(server: ServerProcess, text: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def resend_what_has_no_fate(stream: TrainStream, ledger: GroupLedger) -> list:
+    """Send again every group the client heard no fate of, as the rollout client does after a
+    learner restart; the receipts go into the ledger and are returned."""
+    resend = ledger.to_resend()
+    for request in resend:
+        await stream.send(request.group)
+    receipts = await stream.receipts(len(resend))
+    for receipt in receipts:
+        ledger.on_receipt(receipt)
+    return receipts
+
+
 @pytest.mark.parametrize("point", ["after_train", "after_metrics", "in_checkpoint", "after_checkpoint"])
 async def test_a_learner_killed_at_any_point_of_a_step_counts_every_group_once(
     policy: ServerProcess, tmp_path: Path, point: str
@@ -97,12 +109,7 @@ async def test_a_learner_killed_at_any_point_of_a_step_counts_every_group_once(
         learner = start_learner(learner_config(run_dir, policy, **settings))
         async with make_channel(learner.target) as channel:
             stream = TrainStream(channel)
-            resend = ledger.to_resend()
-            for request in resend:
-                await stream.send(request.group)
-            receipts = await stream.receipts(len(resend))
-            for receipt in receipts:
-                ledger.on_receipt(receipt)
+            receipts = await resend_what_has_no_fate(stream, ledger)
             if sum(r.accepted for r in receipts):
                 ledger.on_step(await stream.next("step"))
             await stream.call.done_writing()
@@ -166,11 +173,7 @@ async def test_a_group_a_checkpointed_step_dropped_stale_is_refused_as_such_when
         learner = start_learner(learner_config(run_dir, policy, **settings))
         async with make_channel(learner.target) as channel:
             stream = TrainStream(channel)
-            resend = ledger.to_resend()
-            for request in resend:
-                await stream.send(request.group)
-            for receipt in await stream.receipts(len(resend)):
-                ledger.on_receipt(receipt)
+            await resend_what_has_no_fate(stream, ledger)
             await stream.call.done_writing()
             await asyncio.wait_for(feed(stream, ledger), EVENT_TIMEOUT_S)
     finally:
