@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient
+from clients.env_client import EnvClient, tool_calls_action
+from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, start_server
 from tests.conftest import NOTEBOOK_SANDBOX
 
@@ -50,3 +51,16 @@ async def wait_for_live_episodes(target: str, expected: int, timeout_s: float = 
     while (live := await live_episodes(target)) != expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     return live
+
+
+# Actions the env-server tests send.
+def submit(answer: str) -> common_pb2.ChatMessage:
+    return tool_calls_action(("submit_answer", {"answer": answer}))
+
+
+def edit_cell(code: str) -> common_pb2.ChatMessage:
+    return tool_calls_action(("edit_cell", {"contents": code}))
+
+
+def text(messages: list[common_pb2.ChatMessage]) -> str:
+    return "\n".join(message.content for message in messages)

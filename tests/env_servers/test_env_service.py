@@ -19,25 +19,19 @@ from sciproto.errors import (
 from sciproto.pb import common_pb2, env_grpc, env_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.answers import expected_answer
-from tests.env_servers.conftest import live_episodes, wait_for_live_episodes
+from tests.env_servers.conftest import (
+    edit_cell,
+    live_episodes,
+    submit,
+    text,
+    wait_for_live_episodes,
+)
 
 SCORED = common_pb2.REWARD_STATUS_SCORED
 
 
 def calculator(expr: str) -> common_pb2.ChatMessage:
     return tool_calls_action(("calculator", {"expr": expr}))
-
-
-def submit(answer: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("submit_answer", {"answer": answer}))
-
-
-def edit_cell(code: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("edit_cell", {"contents": code}))
-
-
-def text(messages: list[common_pb2.ChatMessage]) -> str:
-    return "\n".join(message.content for message in messages)
 
 
 async def test_describe_reports_versions_envs_splits_and_limits(env_server: ServerProcess) -> None:

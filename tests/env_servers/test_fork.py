@@ -14,24 +14,12 @@ from sciproto.errors import FailedPrecondition, NotFound, Reason
 from sciproto.pb import common_pb2, env_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.answers import expected_answer
-from tests.env_servers.conftest import serve_env, wait_for_live_episodes
+from tests.env_servers.conftest import edit_cell, serve_env, submit, text, wait_for_live_episodes
 
 
 @pytest.fixture(scope="module")
 def fork_server() -> Iterator[ServerProcess]:
     yield from serve_env("fork", "envs=[toy,gsm8k,notebook]")
-
-
-def submit(answer: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("submit_answer", {"answer": answer}))
-
-
-def edit_cell(code: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("edit_cell", {"contents": code}))
-
-
-def text(messages: list[common_pb2.ChatMessage]) -> str:
-    return "\n".join(message.content for message in messages)
 
 
 async def test_describe_says_how_each_environment_forks(fork_server: ServerProcess) -> None:
