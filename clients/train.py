@@ -254,6 +254,17 @@ class TrainConfig(BaseModel):
         # The learner must build exactly the weights the policy server starts from.
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
+        # ... and train the policy that sampled: the tempered one (greedy rollouts report T = 1).
+        sampled_at = self.rollout.sampling.temperature or 1.0
+        grpo = self.learner.grpo
+        if "temperature" not in grpo.model_fields_set:
+            grpo.temperature = sampled_at
+        elif grpo.temperature != sampled_at:
+            raise ValueError(
+                f"learner.grpo.temperature {grpo.temperature} differs from rollout.sampling.temperature"
+                f" {self.rollout.sampling.temperature}: the learner must train the policy that sampled;"
+                " leave learner.grpo.temperature unset and it follows the rollouts"
+            )
         env, _ = self.rollout.split()
         if self.rollout.curriculum is not None:
             curriculum = read_curriculum(self.rollout.curriculum)

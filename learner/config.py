@@ -26,6 +26,10 @@ class GRPOConfig(BaseModel):
     # tokens above the cap dropped ("mask"), or ignored ("off").
     is_cap: float = Field(default=2.0, gt=0)
     is_correction: Literal["truncate", "mask", "off"] = "truncate"
+    # The temperature the rollouts were sampled at: pi_theta = softmax(logits / temperature), the
+    # policy that sampled them, so pi_old / mu is 1 for the weights that generated. `sciproto train`
+    # sets it from rollout.sampling.temperature.
+    temperature: float = Field(default=1.0, gt=0)
     # Optimizer steps per batch (PPO/DAPO mini-batches): pi_old is computed once for the whole
     # batch before the first step, then the batch is split in order into this many parts of about
     # equal trained tokens, one AdamW step each; rho = pi_theta / pi_old is 1 only in the first,

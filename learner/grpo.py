@@ -3,7 +3,9 @@
 Notation (per trained token t of sample i in group g):
     r_i          reward of sample i (SCORED samples only)
     A_i          = (r_i - mean_g r) / (std_g r + adv_eps)               group-normalised advantage
-    pi_theta     the policy being trained; mu the rollout policy (the policy servers' logprobs)
+    pi_theta     the policy being trained, at the rollouts' sampling temperature T:
+                 pi_theta(y_t) = softmax(logits_t / T)[y_t]; mu the rollout policy (the policy
+                 servers' logprobs, of the same tempered distribution)
     pi_old       the policy before the batch's first optimizer step (fixed for the whole batch)
     rho_t        = pi_theta(y_t) / pi_old(y_t)                           PPO ratio
     w_t          = min(pi_old(y_t) / mu(y_t), is_cap)  (detached)        truncated importance weight
@@ -267,13 +269,17 @@ def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0) -> Micr
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, input_ids: torch.Tensor
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_t | y_<t) for t >= 1 and the policy entropy at each position (detached).
+    """log pi(y_t | y_<t) for t >= 1 and the policy entropy at each position (detached), of the
+    policy sampled at `temperature`: pi = softmax(logits / T).
 
     logits[:, t] predicts input_ids[:, t + 1]; computed in float32 whatever the model dtype.
     """
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)
     chosen = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         # H = -sum_v p_v log p_v

@@ -58,14 +58,15 @@ def usable_shared_prefix(model: nn.Module, batch: MicroBatch, min_shared_prefix:
 
 
 def sequence_logprobs_and_entropy(
-    model: nn.Module, batch: MicroBatch, shared: int
+    model: nn.Module, batch: MicroBatch, shared: int, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | y_<t) and the entropy for t >= 1, [B, T-1] each, as `token_logprobs_and_entropy`
-    of the full forward; the first `shared` tokens (0: none, see `usable_shared_prefix`), common to
-    every row, run once."""
+    of the full forward at `temperature`; the first `shared` tokens (0: none, see
+    `usable_shared_prefix`), common to every row, run once."""
     ids = batch.input_ids
     if shared == 0:
-        return token_logprobs_and_entropy(_logits_of(model(input_ids=ids, attention_mask=batch.attention_mask)), ids)
+        logits = _logits_of(model(input_ids=ids, attention_mask=batch.attention_mask))
+        return token_logprobs_and_entropy(logits, ids, temperature)
     rows = ids.shape[0]
     argument = _cache_argument(type(model))
     prefix = model(input_ids=ids[:1, :shared], use_cache=True)
@@ -77,9 +78,9 @@ def sequence_logprobs_and_entropy(
     # Three spans of predicted tokens, so the prefix's softmax over the vocabulary runs once:
     # ids[1:P] from the prefix logits (shared by all rows), ids[P] from the prefix's last logits
     # (one token per row), ids[P+1:] from the suffix logits.
-    head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared])
-    edge = token_logprobs_and_entropy(
-        torch.cat([prefix.logits[:, -1:].expand(rows, -1, -1), suffix[:, :1]], dim=1), ids[:, shared - 1:shared + 1])
-    tail = token_logprobs_and_entropy(suffix, ids[:, shared:])
+    head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared], temperature)
+    edge = token_logprobs_and_entropy(torch.cat([prefix.logits[:, -1:].expand(rows, -1, -1), suffix[:, :1]], dim=1),
+                                      ids[:, shared - 1:shared + 1], temperature)
+    tail = token_logprobs_and_entropy(suffix, ids[:, shared:], temperature)
     return tuple(  # type: ignore[return-value]
         torch.cat([h.expand(rows, -1), e, t], dim=1) for h, e, t in zip(head, edge, tail, strict=True))

@@ -208,7 +208,7 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for index, (batch, shared) in enumerate(micro):
                 with self.compute():
-                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
+                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared, self.config.temperature)
                 old = logprobs.detach() if part_old is None else part_old[index]
                 ref_logprobs = self._reference_logprobs(batch, shared)
                 # This micro-batch's share of L_k: -(1/N_k) sum_t J_t over its tokens.
@@ -277,7 +277,8 @@ class GRPOTrainer:
 
     def _logprobs_no_grad(self, model: nn.Module, micro: list[tuple[MicroBatch, int]]) -> list[torch.Tensor]:
         with torch.no_grad(), self.compute():
-            return [sequence_logprobs_and_entropy(model, batch, shared)[0] for batch, shared in micro]
+            return [sequence_logprobs_and_entropy(model, batch, shared, self.config.temperature)[0]
+                    for batch, shared in micro]
 
     def _empty_sequence(self) -> TrainSequence:
         """Two pad tokens with nothing trained: a forward/backward that adds zero gradient."""

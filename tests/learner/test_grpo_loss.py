@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from learner_fixtures import make_group, tiny_model
+from learner_fixtures import make_group, tiny_model, with_shared_prompt
 
 from learner.config import GRPOConfig
 from learner.grpo import (
@@ -256,3 +256,31 @@ def test_the_batch_reports_advantages_and_the_prompt_length_of_every_turn() -> N
     metrics = trainer.train_step([signal, equal])
     assert (metrics.advantage_abs_mean, metrics.advantage_nonzero_frac) == pytest.approx((0.5, 0.5), abs=1e-5)
     assert (metrics.prompt_tokens_per_turn_mean, metrics.prompt_tokens_per_turn_max) == (22 / 6, 7)
+
+
+def _tempered_logprobs(model: torch.nn.Module, sample: TrainSample, temperature: float) -> list[float]:
+    """log mu(y_t | y_<t) of a policy server sampling at `temperature`: log_softmax(logits / T)."""
+    ids = torch.tensor([sample.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / temperature, -1)
+    return [0.0] + logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_rollouts_sampled_at_a_temperature_are_trained_as_that_policy(groups: list[RolloutGroup],
+                                                                      shared_prefix: bool) -> None:
+    """Rollouts sampled at T = 0.5 by the very weights the learner holds: pi_theta must be the
+    tempered policy, softmax(logits / T), or pi_old / mu is far from 1 on every token and the
+    truncated importance weights bias each step. With the temperature the weights are exactly 1."""
+    model = tiny_model()
+    if shared_prefix:
+        groups = [with_shared_prompt(group, list(range(20, 40))) for group in groups]
+    sampled = [group.model_copy(update={"samples": [
+        sample.model_copy(update={"rollout_logprobs": [lp if m else 0.0 for lp, m in zip(
+            _tempered_logprobs(model, sample, 0.5), sample.loss_mask, strict=True)]})
+        for sample in group.samples]}) for group in groups]
+    tempered = GRPOTrainer(tiny_model(), GRPOConfig(temperature=0.5, micro_batch_tokens=64)).train_step(sampled)
+    untempered = GRPOTrainer(tiny_model(), GRPOConfig(micro_batch_tokens=64)).train_step(sampled)
+    assert tempered.mismatch == pytest.approx(1.0, abs=1e-4)
+    assert tempered.is_weight_mean == pytest.approx(1.0, abs=1e-4) and tempered.is_frac_truncated == 0.0
+    assert untempered.mismatch > 1.05  # the defect this guards: T = 1 in the learner, 0.5 in the sampler

@@ -1,0 +1,22 @@
+"""`sciproto train`'s one config: what it derives for each component, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.train import load_train_config
+from sciproto.config import ConfigError
+
+
+@pytest.mark.parametrize(("sampled_at", "trained_at"), [(0.7, 0.7), (1.0, 1.0), (0.0, 1.0)])
+def test_the_learner_trains_the_policy_at_the_rollouts_sampling_temperature(sampled_at: float,
+                                                                            trained_at: float) -> None:
+    config = load_train_config("demo", [f"rollout.sampling.temperature={sampled_at}"])
+    assert config.learner.grpo.temperature == trained_at  # greedy rollouts report the T = 1 logprobs
+
+
+def test_a_learner_temperature_other_than_the_sampling_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="learner.grpo.temperature 0.5 differs from rollout.sampling.temperature"):
+        load_train_config("demo", ["rollout.sampling.temperature=0.7", "learner.grpo.temperature=0.5"])
+    same = load_train_config("demo", ["rollout.sampling.temperature=0.7", "learner.grpo.temperature=0.7"])
+    assert same.learner.grpo.temperature == 0.7
