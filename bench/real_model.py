@@ -1,7 +1,8 @@
 """A real pretrained model learns a real task on this machine: held-out pass@1 before and after training.
 
 1. Starts a gsm8k env server and a policy server with the base model (SmolLM2-135M-Instruct),
-   and evaluates it greedily on the first `--limit` tasks of the held-out split (`sciproto eval`'s
+   and evaluates it greedily on the first `--limit` tasks of the held-out split (the training
+   split's test twin, e.g. gsm8k:short_text_test for short_text_train; `sciproto eval`'s
    `clients.eval.evaluate`, with the train config's turn and token budgets).
 2. Stops that policy server and runs `sciproto train --config CONFIG` for `--seconds` (a child
    process; its screen goes to `<run dir>.train.out`).
@@ -13,7 +14,7 @@ tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy deco
 evaluations deterministic for given weights; the training run is seeded (`learner.grpo.seed`,
 `rollout.sampling.seed`) but its timing on a shared machine is not, so two runs differ.
 Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100]
-       [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
+       [--eval-tasks ENV:SPLIT] [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, se
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
 
-EVAL_SPLIT = "short_test"
+def held_out_tasks(train_tasks: str) -> str:
+    """The held-out split of a training split, by name: gsm8k:short_text_train -> gsm8k:short_text_test."""
+    if not train_tasks.endswith("train"):
+        raise SystemExit(f"rollout.tasks {train_tasks!r} does not end in 'train': pass --eval-tasks ENV:SPLIT")
+    return train_tasks.removesuffix("train") + "test"
 
 
 def eval_config(train_config_name: str, overrides: list[str]) -> EvalConfig:
@@ -106,7 +111,7 @@ def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, see
 
 async def main_async(args: argparse.Namespace) -> dict:
     config = eval_config(args.config, args.overrides)
-    tasks = f"gsm8k:{EVAL_SPLIT}"
+    tasks = args.eval_tasks or held_out_tasks(load_train_config(args.config, args.overrides).rollout.tasks)
     out_dir = args.runs_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     run_name = args.run_name or f"real-model-{int(time.time())}"
@@ -147,6 +152,8 @@ def main() -> None:
     parser.add_argument("--config", default="arith_smollm2_cpu")
     parser.add_argument("--seconds", type=float, default=1800.0, help="Training budget (wall clock)")
     parser.add_argument("--limit", type=int, default=100, help="Held-out tasks evaluated")
+    parser.add_argument("--eval-tasks", default=None,
+                        help="Held-out ENV:SPLIT (default: the training split with 'train' replaced by 'test')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
     parser.add_argument("--run-name", default=None)

@@ -11,6 +11,7 @@ import copy
 import inspect
 import json
 import operator
+import re
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -38,12 +39,16 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
 # the training file; "train_full" keeps all of it, which is what a small shipped set wants. The
 # short splits (one-step problems, data/gsm8k/generate_short.py) are not files Aviary's dataset
 # reads (it knows only train and test): their CalculatorEnvs are built from the rows directly.
+# The short_text splits are answered in plain text (TextAnswerEnv), the others by submit_answer.
 SPLITS: dict[str, tuple[str, str | None]] = {
     "train": ("train.jsonl", "train_full"),
     "test": ("test.jsonl", "test"),
     "short_train": ("short_train.jsonl", None),
     "short_test": ("short_test.jsonl", None),
+    "short_text_train": ("short_text_train.jsonl", None),
+    "short_text_test": ("short_text_test.jsonl", None),
 }
+TEXT_ANSWER_SPLITS = frozenset({"short_text_train", "short_text_test"})
 
 
 class GSM8kOptions(BaseModel):
@@ -171,6 +176,46 @@ class BoundedCalculatorEnv(CalculatorEnv):
     calculator.__doc__ = CalculatorEnv.calculator.__doc__  # the tool's description and arguments
 
 
+# A number as a reply writes it: "-12", "1,250", "7.5" (the comma groups thousands).
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` without its thousands commas, or None: GSM8K's usual
+    final-number extraction from a reply in prose."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+class TextAnswerEnv(CalculatorEnv):
+    """A GSM8K problem answered in plain text: no tools, and the first reply ends the episode,
+    graded by its last number as CalculatorEnv.submit_answer grades a submission (1 correct,
+    0 otherwise; a reply with no number is a wrong answer, not a failed tool call)."""
+
+    async def reset(self) -> tuple[Messages, list[Tool]]:
+        self.state = None
+        self.tools = []
+        return [Message(content=self.problem)], self.tools
+
+    def fork(self) -> "TextAnswerEnv":
+        return copy.deepcopy(self)
+
+    async def step(self, action: Message) -> tuple[Messages, float, bool, bool]:
+        correct, reward = grade_text_answer(self.problem, self.answer, action)
+        self.state = {"correct": correct}
+        verdict = "correct" if correct else "incorrect"
+        return [Message(content=f"The answer is {verdict}.")], reward, True, False
+
+
+def grade_text_answer(question: str, answer: float | str, reply: Message) -> tuple[bool, float]:
+    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+    submitted = last_number(reply.content or "")  # a tool call (none is offered): its text alone
+    if submitted is None:
+        return False, env.config.incorrect_reward
+    correct, reward, _ = env.submit_answer(submitted)
+    return correct, reward
+
+
 class GSM8kSource(EnvironmentSource):
     name = "gsm8k"
     description = (
@@ -224,7 +269,8 @@ class GSM8kSource(EnvironmentSource):
 
     async def _make_checked(self, split: str, index: int) -> CalculatorEnv:
         problem_id, problem, answer = self._problems(split)[index]
-        return BoundedCalculatorEnv(problem_id, problem, answer, self._config)
+        kind = TextAnswerEnv if split in TEXT_ANSWER_SPLITS else BoundedCalculatorEnv
+        return kind(problem_id, problem, answer, self._config)
 
     async def make_inline(self, task: dict[str, str]) -> CalculatorEnv:
         require_fields(self.name, task, {"question", "answer"})
@@ -249,7 +295,10 @@ class GSM8kSource(EnvironmentSource):
         """
         self.check_task(split, index)
         row = self._rows[split][index]
-        return _score_submission(row["question"], parse_answer_number(row["answer"]), messages)
+        answer = parse_answer_number(row["answer"])
+        if split in TEXT_ANSWER_SPLITS:
+            return _score_text_reply(row["question"], answer, messages)
+        return _score_submission(row["question"], answer, messages)
 
     async def rescore_inline(
         self, task: dict[str, str], messages: Sequence[Message]
@@ -259,13 +308,22 @@ class GSM8kSource(EnvironmentSource):
         return _score_submission(task["question"], parse_answer_number(task["answer"]), messages)
 
     async def fork(self, env: Environment) -> Environment:
-        if not isinstance(env, BoundedCalculatorEnv):
+        if not isinstance(env, BoundedCalculatorEnv | TextAnswerEnv):
             raise ForkUnsupportedError(f"{type(env).__name__} is not a gsm8k environment of this server")
         return env.fork()
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         assert isinstance(env, CalculatorEnv), "gsm8k episodes run CalculatorEnv"
         return no_submission(env.config.incorrect_reward)
+
+
+def _score_text_reply(question: str, answer: float, messages: Sequence[Message]) -> tuple[float, RewardComponents]:
+    """The reward TextAnswerEnv gives the trajectory's first reply (the one that ended it)."""
+    reply = next((m for m in messages if m.role == "assistant"), None)
+    if reply is None:
+        return no_submission(CalculatorEnvConfig().incorrect_reward)
+    correct, reward = grade_text_answer(question, answer, reply)
+    return reward, {"correct": float(correct), "submitted": 1.0}
 
 
 def _score_submission(question: str, answer: float | str, messages: Sequence[Message]) -> tuple[float, RewardComponents]:

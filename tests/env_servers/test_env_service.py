@@ -43,7 +43,8 @@ async def test_describe_reports_versions_envs_splits_and_limits(env_server: Serv
     assert "session" in described.server.capabilities
     assert described.server.limits.max_receive_message_bytes > 0
     splits = {env.name: {s.name: s.size for s in env.splits} for env in described.environments}
-    assert splits["gsm8k"] == {"train": 250, "test": 60, "short_train": 400, "short_test": 100}
+    assert splits["gsm8k"] == {"train": 250, "test": 60, "short_train": 400, "short_test": 100,
+                               "short_text_train": 400, "short_text_test": 100}
     assert set(splits) == {"gsm8k", "notebook"}
     assert described.limits.max_live_episodes > 0 and described.limits.idle_ttl_seconds > 0
     assert tools["gsm8k"] == ["calculator", "submit_answer"]  # known once a gsm8k episode was reset
@@ -98,6 +99,19 @@ async def test_plain_reply_is_a_message_not_an_empty_tool_request(env_server: Se
         step = await client.step(reset.episode_id, reply)
         await client.close(reset.episode_id)
     assert step.reward.value == 0.0 and step.reward.status == SCORED
+
+
+async def test_a_short_text_episode_offers_no_tool_and_grades_the_plain_reply(env_server: ServerProcess) -> None:
+    answer = expected_answer("gsm8k", "short_text_test", 9)
+    async with EnvClient(env_server.target) as client:
+        reset = await client.reset("gsm8k", split="short_text_test", index=9)
+        reply = common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=f"That makes {answer}.")
+        step = await client.step(reset.episode_id, reply)
+        verified = await client.verify(reset.episode_id)
+        await client.close(reset.episode_id)
+    assert list(reset.tools) == [] and "number only" in reset.observations[0].content
+    assert (step.reward.value, step.reward.status, step.terminated) == (1.0, SCORED, True)
+    assert (verified.reward.value, verified.reward.status) == (1.0, SCORED)
 
 
 async def test_gsm8k_episodes_over_one_session(env_server: ServerProcess) -> None:

@@ -40,7 +40,8 @@ def kernel_processes() -> list[psutil.Process]:
 
 async def test_gsm8k_data_loads_through_aviary_loader() -> None:
     source = load_source("gsm8k")
-    assert source.splits == {"train": 250, "test": 60, "short_train": 400, "short_test": 100}
+    assert source.splits == {"train": 250, "test": 60, "short_train": 400, "short_test": 100,
+                             "short_text_train": 400, "short_text_test": 100}
     for split, size in source.splits.items():
         for index in range(size):
             env = await source.make(split, index)
@@ -72,8 +73,36 @@ async def test_short_gsm8k_problems_are_one_step_graded_by_the_calculator_env(tm
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main()
-    for name in ("short_train.jsonl", "short_test.jsonl"):
+    for name in ("short_train.jsonl", "short_test.jsonl", "short_text_train.jsonl", "short_text_test.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes()
+
+
+async def test_short_text_problems_are_the_short_ones_answered_by_the_last_number_of_a_plain_reply() -> None:
+    from aviary.core import Message
+
+    source = load_source("gsm8k")
+    tool_env, text_env = await source.make("short_test", 4), await source.make("short_text_test", 4)
+    assert (tool_env.answer, tool_env.problem.split("?")[0]) == (text_env.answer, text_env.problem.split("?")[0])
+    observations, tools = await text_env.reset()
+    assert tools == [] and observations[0].content.endswith("Reply with the number only.")
+    answer = expected_answer("gsm8k", "short_text_test", 4)
+
+    async def graded(reply: str) -> tuple[float, bool]:
+        env = await source.make("short_text_test", 4)
+        await env.reset()
+        _, reward, done, _ = await env.step(Message(role="assistant", content=reply))
+        return reward, done
+
+    assert await graded(f"First 3, then {answer}.") == (1.0, True)  # the last number is the answer
+    assert await graded(f"{answer} apples, not 3.") == (0.0, True)
+    assert await graded("I cannot tell.") == (0.0, True)  # no number: wrong, not a failed tool call
+    assert await graded(f"It is {int(answer):,}.0") == (1.0, True)
+    rescored, components = await source.rescore("short_text_test", 4, [*observations,
+                                                Message(role="assistant", content=f"So {answer}.")])
+    assert (rescored, components) == (1.0, {"correct": 1.0, "submitted": 1.0})
+    assert (await source.rescore("short_text_test", 4, observations))[0] == 0.0
+    twin = await source.fork(text_env)
+    assert (await twin.step(Message(role="assistant", content=answer)))[1] == 1.0
 
 
 async def test_gsm8k_episode_with_calculator_and_correct_submission() -> None:

@@ -1,7 +1,8 @@
-"""Generate the one-step word problems of the gsm8k environment's `short_train` / `short_test` splits.
+"""Generate the one-step word problems of the gsm8k environment's short splits.
 
-Run `python env_servers/data/gsm8k/generate_short.py` to rewrite `short_train.jsonl` and
-`short_test.jsonl`; the output is a pure function of SEED (byte-identical on rerun).
+Run `python env_servers/data/gsm8k/generate_short.py` to rewrite `short_train.jsonl`,
+`short_test.jsonl` and their text-answer twins `short_text_train.jsonl` / `short_text_test.jsonl`;
+the output is a pure function of SEED (byte-identical on rerun).
 
 Why these exist: a 135M-parameter model solves none of the two- and three-step problems of the
 `train`/`test` splits and, left alone, does not even call a tool, so RL on them has no signal.
@@ -12,6 +13,12 @@ to answer (`ANSWER_FORMAT`). What a model learns on them: to end its turn with a
 `submit_answer` tool call holding the number, and to get one arithmetic step right. Train and test
 problems are drawn from the same templates with different numbers and names: the test split
 measures that skill on problems never trained on, not transfer to harder problems.
+
+The text twins hold the same problems with `TEXT_FORMAT` in place of `ANSWER_FORMAT`: the answer
+is the reply itself, no tool is offered, and the last number of the reply is graded (GSM8K's usual
+final-number extraction). They exist because a 135M model's tool calls are almost never right
+(bench/real_model.py), while it answers about a quarter of these problems in plain text: GRPO gets
+mixed groups to learn from. What a model learns on them: one arithmetic step, stated as the number.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ TEST_SIZE = 100
 
 ANSWER_FORMAT = ('Reply with <tool_call>{"name": "submit_answer", "arguments": {"answer": "NUMBER"}}</tool_call>,'
                  " writing the answer in place of NUMBER.")
+TEXT_FORMAT = "Reply with the number only."
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonah",
          "Keiko", "Liam", "Maya", "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara"]
@@ -74,13 +82,14 @@ def divide(rng: random.Random) -> Problem:
 TEMPLATES: list[Callable[[random.Random], Problem]] = [add, subtract, multiply, divide]
 
 
-def generate_rows(count: int, rng: random.Random) -> list[dict[str, str]]:
+def generate_problems(count: int, rng: random.Random) -> list[Problem]:
     """Cycle through the templates so each split holds every operation equally often."""
-    rows = []
-    for index in range(count):
-        question, reasoning, answer = TEMPLATES[index % len(TEMPLATES)](rng)
-        rows.append({"question": f"{question} {ANSWER_FORMAT}", "answer": f"{reasoning}\n#### {answer}"})
-    return rows
+    return [TEMPLATES[index % len(TEMPLATES)](rng) for index in range(count)]
+
+
+def rows_of(problems: list[Problem], answer_format: str) -> list[dict[str, str]]:
+    return [{"question": f"{question} {answer_format}", "answer": f"{reasoning}\n#### {answer}"}
+            for question, reasoning, answer in problems]
 
 
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
@@ -90,8 +99,10 @@ def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
 def main() -> None:
     rng = random.Random(SEED)
     here = Path(__file__).parent
-    write_jsonl(here / "short_train.jsonl", generate_rows(TRAIN_SIZE, rng))
-    write_jsonl(here / "short_test.jsonl", generate_rows(TEST_SIZE, rng))
+    for split, size in (("train", TRAIN_SIZE), ("test", TEST_SIZE)):
+        problems = generate_problems(size, rng)
+        write_jsonl(here / f"short_{split}.jsonl", rows_of(problems, ANSWER_FORMAT))
+        write_jsonl(here / f"short_text_{split}.jsonl", rows_of(problems, TEXT_FORMAT))
 
 
 if __name__ == "__main__":
