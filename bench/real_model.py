@@ -32,6 +32,7 @@ from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, se
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
 
+
 def held_out_tasks(train_tasks: str) -> str:
     """The held-out split of a training split, by name: gsm8k:short_text_train -> gsm8k:short_text_test."""
     if not train_tasks.endswith("train"):
