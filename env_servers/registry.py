@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aviary.core import Environment, Message, Tool
 
@@ -34,6 +35,8 @@ from sciproto.errors import (
     SciprotoError,
 )
 from sciproto.limits import EpisodeClaim
+
+T = TypeVar("T")
 
 log = logging.getLogger("env_servers.registry")
 
@@ -216,17 +219,7 @@ class EpisodeRegistry:
                         metadata={"episode_id": parent.id})
                 parent.touch()
                 try:
-                    async with asyncio.timeout(self.step_timeout_s):
-                        env = await copy(parent.env)
-                except TimeoutError:
-                    raise Internal(f"the environment did not finish the fork within {self.step_timeout_s:g} s",
-                                   Reason.STEP_TIMEOUT) from None
-                except SciprotoError:
-                    raise
-                except Exception as error:
-                    log.warning("episode %s (%s): fork raised", parent.id, parent.env_name, exc_info=True)
-                    raise Internal(f"the environment failed to fork: {type(error).__name__}: {error}",
-                                   Reason.ENVIRONMENT_FAILED) from error
+                    env = await self._bounded("fork", f"episode {parent.id} ({parent.env_name})", copy(parent.env))
                 finally:
                     parent.touch()
             episode = Episode(uuid.uuid4().hex, parent.env_name, env, list(env.tools), owner=_caller(),
@@ -254,17 +247,22 @@ class EpisodeRegistry:
 
     async def _reset(self, env: Environment, seed: int | None) -> tuple[list[Message], list[Tool]]:
         takes_seed = seed is not None and "seed" in inspect.signature(env.reset).parameters
+        return await self._bounded("reset", type(env).__name__, env.reset(seed=seed) if takes_seed else env.reset())
+
+    async def _bounded(self, operation: str, what: str, work: Awaitable[T]) -> T:
+        """`work` (an environment's reset or fork) within the step timeout: STEP_TIMEOUT past it,
+        ENVIRONMENT_FAILED (logged) when the environment raises; protocol errors pass unchanged."""
         try:
             async with asyncio.timeout(self.step_timeout_s):
-                return await (env.reset(seed=seed) if takes_seed else env.reset())
+                return await work
         except TimeoutError:
-            raise Internal(f"the environment did not finish its reset within {self.step_timeout_s:g} s",
+            raise Internal(f"the environment did not finish its {operation} within {self.step_timeout_s:g} s",
                            Reason.STEP_TIMEOUT) from None
         except SciprotoError:
             raise
         except Exception as error:
-            log.warning("%s: reset raised", type(env).__name__, exc_info=True)
-            raise Internal(f"the environment failed to reset: {type(error).__name__}: {error}",
+            log.warning("%s: %s raised", what, operation, exc_info=True)
+            raise Internal(f"the environment failed to {operation}: {type(error).__name__}: {error}",
                            Reason.ENVIRONMENT_FAILED) from error
 
     def find(self, episode_id: str) -> Episode | None:

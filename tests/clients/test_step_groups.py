@@ -14,7 +14,7 @@ from clients.step_groups import StepGrouping, run_step_groups
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.answers import expected_answer
-from tests.env_servers.conftest import serve_env, wait_for_live_episodes
+from tests.env_servers.conftest import serve_env, submit, wait_for_live_episodes
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,6 @@ def server() -> Iterator[ServerProcess]:
 def calculator(expr: str) -> common_pb2.ChatMessage:
     return tool_calls_action(("calculator", {"expr": expr}))
 
-
-def submit(answer: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("submit_answer", {"answer": answer}))
 
 
 class Scripted:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from clients.env_client import EnvClient, tool_calls_action
+from clients.env_client import EnvClient
 from sciproto.errors import InvalidArgument, Reason
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess
-
-
-def edit_cell(code: str) -> common_pb2.ChatMessage:
-    return tool_calls_action(("edit_cell", {"contents": code}))
+from tests.env_servers.conftest import edit_cell
 
 
 async def test_the_state_view_is_the_instruction_the_actions_and_the_current_notebook(

@@ -20,7 +20,7 @@ from typing import Self
 import pytest
 from reliability_servers import ARTIFACTS
 
-from clients.env_client import EnvClient, new_request_id, tool_calls_action
+from clients.env_client import EnvClient, new_request_id
 from clients.policy_client import PolicyClient, distinct_tensors, generate_request
 from policy_server.models import load_model
 from policy_server.weights_stream import (
@@ -34,6 +34,7 @@ from sciproto.errors import DeadlineExceeded, FailedPrecondition, Reason, Unavai
 from sciproto.pb import common_pb2, policy_pb2
 from sciproto.processes import ServerProcess, sciproto_command, start_server
 from tests.conftest import NOTEBOOK_SANDBOX
+from tests.env_servers.conftest import edit_cell
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,10 +50,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def edit_cell(code: str):
-    return tool_calls_action(("edit_cell", {"contents": code}))
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:
