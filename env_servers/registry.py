@@ -35,6 +35,7 @@ from sciproto.errors import (
     SciprotoError,
 )
 from sciproto.limits import EpisodeClaim
+from sciproto.memory import release_freed_memory
 
 T = TypeVar("T")
 
@@ -160,6 +161,7 @@ class EpisodeRegistry:
         self._opening = 0  # Resets admitted but not yet registered
         self._sweeper: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self.memory_releases = 0  # times an idle server gave freed memory back (_sweep_forever)
 
     @property
     def live(self) -> int:
@@ -324,9 +326,23 @@ class EpisodeRegistry:
 
     async def _sweep_forever(self) -> None:
         period = min(max(self.idle_ttl_s / 4, 0.05), 30.0)
+        released_after = 0  # episodes opened (counters.opened) when memory was last given back
+        quiet: tuple[float, int] | None = None  # (since when, episodes opened by then) with none open
         while True:
             await asyncio.sleep(period)
             await self.expire_idle()
+            opened, now = self.counters.opened, time.monotonic()
+            if self._episodes or self._opening or opened == released_after:
+                quiet = None  # in use, or nothing new since the last release
+                continue
+            if quiet is None or quiet[1] != opened:
+                quiet = (now, opened)
+            elif now - quiet[0] >= self.idle_ttl_s:
+                # An idle TTL after the last episode closed, the answers kept for its retries have
+                # expired as well: what the burst allocated is free, so give it back.
+                release_freed_memory()
+                self.memory_releases += 1
+                released_after, quiet = opened, None
 
     async def expire_idle(self) -> None:
         """Close episodes idle for longer than the TTL; an episode in the middle of an operation

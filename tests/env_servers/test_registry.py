@@ -1,5 +1,5 @@
-"""The registry's bound on an environment's own work (reset and fork): a slow one is STEP_TIMEOUT,
-one that raises is ENVIRONMENT_FAILED, and neither leaves an episode or an admission place behind."""
+"""The registry on its own: the bound on an environment's reset and fork (a slow one is STEP_TIMEOUT,
+one that raises ENVIRONMENT_FAILED, neither leaves an episode behind) and giving memory back when idle."""
 
 from __future__ import annotations
 
@@ -67,3 +67,36 @@ async def test_a_reset_or_fork_that_hangs_or_raises_is_bounded_and_leaves_nothin
     assert fork.value.reason == reason and says.format("fork") in fork.value.message
     assert registry.live == 1  # the parent alone
     assert await registry.close(parent.id) and registry.live == 0
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_idle_server_gives_freed_memory_back_once_per_burst() -> None:
+    """One idle TTL after its last episode closed (its retry answers have expired too), the server
+    collects and trims its heap, once: not while episodes are open, not again while idle."""
+    registry = EpisodeRegistry(max_live_episodes=4, idle_ttl_s=0.2, step_timeout_s=5, retry_after_s=1)
+    registry.start()
+
+    async def make() -> Environment:
+        return Stubborn()
+
+    try:
+        episode, _ = await registry.open("stubborn", make)
+        for _ in range(10):  # in use for 0.5 s, more than the idle TTL
+            episode.touch()
+            await asyncio.sleep(0.05)
+        assert registry.memory_releases == 0 and registry.live == 1, "an episode is open"
+        await registry.close(episode.id)
+        await _until(lambda: registry.memory_releases == 1)
+        await asyncio.sleep(0.6)
+        assert registry.memory_releases == 1, "nothing new to give back while idle"
+        episode, _ = await registry.open("stubborn", make)
+        await registry.close(episode.id)
+        await _until(lambda: registry.memory_releases == 2)
+    finally:
+        await registry.aclose()
