@@ -739,7 +739,8 @@ def train(config: TrainConfig) -> TrainOutcome:
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")
     processes = start_servers(config, run_dir)
     outcome = TrainOutcome(run_dir=str(run_dir), stopped_by="aborted")
-    progress = Progress(config.budget.max_steps, config.progress, config.display.stall_after_s)
+    progress = Progress(config.budget.max_steps, config.progress, config.display.stall_after_s,
+                        config.budget.max_seconds)
     try:
         outcome = asyncio.run(_train_async(config, processes, run_dir, progress))
     finally:

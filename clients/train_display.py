@@ -84,18 +84,18 @@ def stall_cause(status: RunStatus, now: float) -> str:
 class Progress:
     """The live line and the stall notices."""
 
-    def __init__(self, total: int | None, enabled: bool, stall_after_s: float = 60.0) -> None:
+    def __init__(self, total: int | None, enabled: bool, stall_after_s: float = 60.0,
+                 max_seconds: float | None = None) -> None:
         self.bar = tqdm(
             total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train"
         )
         self.stall_after_s = stall_after_s
+        self.max_seconds = max_seconds  # the time budget: the line says how much of it is left
         self._last_notice: tuple[list[str], float] | None = None
 
-    def tick(self, status: RunStatus, now: float | None = None) -> str | None:
-        """Refresh the line; returns the stall notice printed, if any."""
-        now = time.monotonic() if now is None else now
-        self.bar.update(status.step - self.bar.n)
-        postfix = {
+    def postfix(self, status: RunStatus, now: float) -> dict[str, object]:
+        """What the live line shows after the step count."""
+        postfix: dict[str, object] = {
             "rollouts": status.rollouts_finished,
             "tok_s": f"{status.tokens_per_s(now):.0f}",
         }
@@ -110,7 +110,16 @@ class Progress:
             postfix["waiting_first_step"] = f"{now - status.started:.0f}s"
         if status.forks_opened is not None:
             postfix["forks_open"] = status.forks_opened - status.forks_closed
-        self.bar.set_postfix(postfix, refresh=True)
+        if self.max_seconds is not None:  # the step bar's own estimate knows only the step budget
+            left = max(0, round(self.max_seconds - (now - status.started)))
+            postfix["time_left"] = f"{left // 60}:{left % 60:02d}"
+        return postfix
+
+    def tick(self, status: RunStatus, now: float | None = None) -> str | None:
+        """Refresh the line; returns the stall notice printed, if any."""
+        now = time.monotonic() if now is None else now
+        self.bar.update(status.step - self.bar.n)
+        self.bar.set_postfix(self.postfix(status, now), refresh=True)
         quiet_since = status.last_step_at if status.last_step_at is not None else status.started
         if now - quiet_since < self.stall_after_s:
             self._last_notice = None

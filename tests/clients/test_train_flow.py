@@ -74,6 +74,16 @@ def test_the_stall_notice_names_all_equal_groups_and_what_is_missing(
     assert "learner is unreachable since 5 s" in (progress.tick(status, now=40.0) or "")
 
 
+def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() -> None:
+    status = RunStatus(batch_groups=4, started=100.0, rollouts_finished=40)
+    line = Progress(total=200, enabled=False, max_seconds=1800).postfix(status, now=119.0)
+    assert line["rollouts"] == 40 and line["waiting_first_step"] == "19s" and line["time_left"] == "29:41"
+    status.step, status.first_step_s, status.reward_mean = 3, 67.0, 0.5
+    line = Progress(total=None, enabled=False).postfix(status, now=2000.0)
+    assert line["first_step"] == "67s" and line["reward"] == "0.500" and "time_left" not in line
+    assert Progress(total=None, enabled=False, max_seconds=60).postfix(status, now=2000.0)["time_left"] == "0:00"
+
+
 def test_a_full_batch_in_the_learner_reads_as_a_step_in_progress() -> None:
     status = RunStatus(batch_groups=4, started=0.0, groups_in_learner=4)
     assert "a step is training" in stall_cause(status, now=100.0)
