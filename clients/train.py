@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import signal
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -807,8 +808,10 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
     table.add_column("figure")
     table.add_column("value", justify="right")
     steps = outcome.steps
-    first = f"{steps[0].reward_mean:.3f}" if steps else "-"
-    last = f"{steps[-1].reward_mean:.3f}" if steps else "-"
+    # One step's batch reward is noisy (a few groups, different tasks): means of up to 5 steps.
+    span = max(1, min(5, len(steps) // 2))
+    first = f"{statistics.fmean(s.reward_mean for s in steps[:span]):.3f}" if steps else "-"
+    last = f"{statistics.fmean(s.reward_mean for s in steps[-span:]):.3f}" if steps else "-"
     refused = ", ".join(f"{k} {v}" for k, v in sorted(outcome.groups_refused.items())) or "none"
     first_step = f"{outcome.first_step_s:.0f} s" if outcome.first_step_s is not None else "-"
     fates = outcome.groups_settled
@@ -817,7 +820,7 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
     )
     rows = [
         ("optimizer steps", str(steps[-1].step if steps else 0)),
-        ("reward first -> last step", f"{first} -> {last}"),
+        (f"reward, first -> last {span} step{'s' if span > 1 else ''}", f"{first} -> {last}"),
         ("time", f"{outcome.seconds / 60:.1f} min"),
         ("groups generated / refused", f"{outcome.groups_generated} / {refused}"),
         ("first optimizer step after", first_step),

@@ -87,3 +87,21 @@ def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() 
 def test_a_full_batch_in_the_learner_reads_as_a_step_in_progress() -> None:
     status = RunStatus(batch_groups=4, started=0.0, groups_in_learner=4)
     assert "a step is training" in stall_cause(status, now=100.0)
+
+
+def test_the_summary_gives_the_reward_of_the_first_and_last_steps_as_means() -> None:
+    """One step's batch reward is a few groups' worth: the summary compares means of 5 steps."""
+    from rich.console import Console
+
+    from clients.train import StepRecord, TrainOutcome, print_summary
+
+    rewards = [0.4, 0.1, 0.2, 0.3, 0.0, 0.5, 0.9, 0.6, 0.7, 0.8, 0.3, 0.5]
+    steps = [StepRecord(step=i + 1, policy_version=i + 1, reward_mean=r, policy_lag_mean=1.0, groups=4,
+                        seconds=10.0 * i) for i, r in enumerate(rewards)]
+    console = Console(record=True, width=120)
+    print_summary(TrainOutcome(run_dir="runs/x", steps=steps), console)
+    text = console.export_text()
+    assert "reward, first -> last 5 steps" in text and "0.200 -> 0.580" in text, text
+    console = Console(record=True, width=120)
+    print_summary(TrainOutcome(run_dir="runs/x", steps=steps[:1]), console)
+    assert "reward, first -> last 1 step " in console.export_text()
