@@ -28,7 +28,8 @@ import torch
 
 from clients.policy_client import distinct_tensors
 from learner.weight_push import PushResult
-from policy_server.weight_group import CollectiveRendezvous, WeightGroup
+from policy_server.rendezvous import CollectiveRendezvous
+from policy_server.weight_group import WeightGroup
 from policy_server.weights_stream import header_for
 from sciproto.channel import ServerAccess, make_channel
 from sciproto.errors import Reason, Unavailable, from_rpc_error

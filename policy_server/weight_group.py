@@ -2,7 +2,7 @@
 torch.distributed's gloo backend (CPU), and the rules both ends follow. vLLM servers join vLLM's
 own NCCL group instead (`policy_server.backends.vllm_backend`); the rules are the same:
 
-- Group: the learner is rank 0 and hosts the rendezvous store (a TCPStore on
+- Group (`policy_server.rendezvous.CollectiveRendezvous`): the learner is rank 0 and hosts the rendezvous store (a TCPStore on
   `master_address:master_port`); each server's receiving ranks are rank_offset ..
   rank_offset + ranks - 1; `world_size` counts them all. Both ends read one `CollectiveRendezvous`.
 - Generations: the learner names the group it opens in the store (`GENERATION_KEY`, a value unique
@@ -27,42 +27,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from policy_server.rendezvous import CollectiveRendezvous
 from policy_server.types import TensorSpec
-from policy_server.weights_stream import MiB, WeightsReceiver, chunk_parts
+from policy_server.weights_stream import WeightsReceiver, chunk_parts
 
 GENERATION_KEY = "sciproto/weights/generation"
 
 log = logging.getLogger(__name__)
-
-
-class CollectiveRendezvous(BaseModel):
-    """Where the learner (rank 0, which hosts the store) and the policy servers' receiving ranks
-    meet. The learner's `nccl:` section and each server's (`vllm.nccl` or `weights.collective`)
-    hold the same values except `rank_offset`, which only servers read."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    master_address: str = Field(description="Host of the learner, reachable from every policy server")
-    master_port: int = Field(gt=0, lt=65536, description="Free TCP port on that host for the rendezvous")
-    world_size: int = Field(ge=2, description="1 (the learner) + every receiving rank of every server")
-    rank_offset: int = Field(1, ge=1, description="Rank of this server's first receiving rank")
-    # Packed: tensors travel in a few large buffers instead of one broadcast each (vLLM's default
-    # on the trainer side); both ends must agree, so both read it from this same model.
-    packed: bool = True
-    buffer_bytes: int = Field(64 * MiB, ge=1, description="Bytes per broadcast on the gloo group")
-    timeout_s: float = Field(120.0, gt=0, description="Longest wait of any one step: store, group, broadcast")
-
-    def worker_init_info(self) -> dict[str, Any]:
-        """The `init_info` of vLLM's NCCL engine (NCCLWeightTransferInitInfo) for this server."""
-        return {
-            "master_address": self.master_address,
-            "master_port": self.master_port,
-            "rank_offset": self.rank_offset,
-            "world_size": self.world_size,
-            "packed": self.packed,
-        }
 
 
 def broadcast_sizes(total_bytes: int, buffer_bytes: int) -> list[int]:

@@ -28,6 +28,7 @@ from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
 from policy_server.models import LoadedModel
 from policy_server.prompts import prompt_token_ids
+from policy_server.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -41,7 +42,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from policy_server.weight_group import CollectiveRendezvous, WeightGroup
+from policy_server.weight_group import WeightGroup
 
 
 @dataclass

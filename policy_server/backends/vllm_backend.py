@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.prompts import prompt_token_ids
+from policy_server.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -54,7 +55,6 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from policy_server.weight_group import CollectiveRendezvous
 
 VLLM_MISSING = (
     "the vllm backend needs vLLM (a CUDA-only package): install the sciproto[vllm] extra on a "
