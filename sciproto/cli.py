@@ -156,13 +156,13 @@ OnlyOption = Annotated[list[str] | None, typer.Option("--only", help="Run only t
 
 
 def _run_conformance(kind: str, target: str, timeout: float, token: str | None, ca_cert: Path | None,
-                     as_json: bool, only: list[str] | None, env: str | None = None) -> None:
+                     as_json: bool, only: list[str] | None, env: str | None = None, close_wait: float = 10.0) -> None:
     from sciproto.channel import ChannelConfig, TlsClientConfig
     from sciproto.conformance import check_env, check_policy
 
     tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
     config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
-    run = (check_env(config, env=env, timeout_s=timeout, only=only) if kind == "env"
+    run = (check_env(config, env=env, timeout_s=timeout, only=only, close_wait_s=close_wait) if kind == "env"
            else check_policy(config, timeout_s=timeout, only=only))
     report = asyncio.run(run)
     typer.echo(report.to_json() if as_json else report.render())
@@ -178,9 +178,11 @@ def conformance_env(
     ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
     only: OnlyOption = None,
+    close_wait: Annotated[float, typer.Option(help="Seconds the episodes of an ended or cancelled Session may"
+                                                   " take to close")] = 10.0,
 ) -> None:
     """Run the environment-server checks; exit 1 if any fails."""
-    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env)
+    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env, close_wait)
 
 
 @conformance_app.command("policy")

@@ -254,3 +254,7 @@ def test_a_stalled_run_says_why(tmp_path: Path) -> None:
     stalled = [line for line in done.stderr.splitlines() if "no optimizer step for" in line]
     assert stalled, done.stderr[-3000:]
     assert "all-equal" in stalled[0], stalled
+    # A run that made no step saves no checkpoint of the unchanged base model.
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["steps"] == [] and summary["checkpoint"] == ""
+    assert not list((tmp_path / "demo" / "checkpoints").glob("step_*"))

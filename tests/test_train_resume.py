@@ -1,5 +1,6 @@
-"""`sciproto train` reruns: resume by default, `--fresh` to start over, the step budget exact, no
-checkpoint from a run that made no step. Real processes, the demo config made small."""
+"""`sciproto train` reruns: resume by default, `--fresh` (run.resume=false) to start over, the step
+budget exact. Real processes, the demo config made small. (A run that made no step saves no
+checkpoint: tests/test_train_recovery_e2e.py::test_a_stalled_run_says_why.)"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_rerun_resumes_with_new_groups_only_and_fresh_starts_over(tmp_path: Path) -> None:
+def test_rerun_resumes_with_new_groups_only_and_stops_at_the_step_budget(tmp_path: Path) -> None:
     first = train(tmp_path, "r", "--set", "budget.max_steps=2")
     run_dir = tmp_path / "r"
     assert first["run_dir"] == str(run_dir)
@@ -57,14 +58,21 @@ def test_rerun_resumes_with_new_groups_only_and_fresh_starts_over(tmp_path: Path
                            capture_output=True, text=True, timeout=200, check=False,
                            env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
     assert again.returncode == 1 and "trained 4 steps already" in again.stderr, again.stderr[-2000:]
+    assert "--fresh" in again.stderr
 
-    # --fresh: a new directory; a budget too short for a single step leaves no checkpoint.
-    third = train(tmp_path, "r-2", "--fresh", "--set", "budget.max_seconds=0.5", "--set", "learner.batch_groups=64",
-                  "--set", "learner.buffer_capacity=64")
-    assert third["run_dir"] == str(tmp_path / "r-2")
-    assert third["steps"] == []
-    assert checkpoint_steps(tmp_path / "r-2") == [], "no checkpoint of the unchanged base model"
-    assert third["checkpoint"] == ""
+
+def test_fresh_starts_in_the_next_free_numbered_directory_and_resume_in_the_latest_checkpointed(
+        tmp_path: Path) -> None:
+    from clients.resume import LEARNER_STATE_FILE, choose_run_dir
+
+    assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"  # nothing there yet
+    (tmp_path / "r" / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "step_00000002" / LEARNER_STATE_FILE).write_text("{}")
+    assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"
+    assert choose_run_dir(tmp_path, "r", resume=False) == tmp_path / "r-2"
+    (tmp_path / "r-2").mkdir()  # a fresh run that made no step: no checkpoint
+    assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"
+    assert choose_run_dir(tmp_path, "r", resume=False) == tmp_path / "r-3"
 
 
 def test_resume_point_continues_after_the_trained_groups() -> None:

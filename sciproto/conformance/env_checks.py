@@ -36,7 +36,7 @@ from sciproto.pb import ENV_SERVICE, common_pb2, env_grpc, env_pb2
 
 NOT_FOUND, INVALID_ARGUMENT = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
 MAX_EPISODES_TO_FILL = 64  # backpressure is checked only on servers that hold at most this many
-CLOSE_ON_END_WAIT_S = 10.0  # how long a stream's episodes may take to close after it ends
+CLOSE_ON_END_WAIT_S = 10.0  # how long a stream's episodes may take to close after it ends (default)
 
 
 def new_id() -> str:
@@ -125,8 +125,10 @@ def answer_of(response: env_pb2.SessionResponse, kind: str) -> object:
 
 
 class EnvChecks:
-    def __init__(self, channel: grpc.aio.Channel, env: str | None, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, env: str | None, timeout_s: float,
+                 close_wait_s: float = CLOSE_ON_END_WAIT_S) -> None:
         self.channel = channel
+        self.close_wait_s = close_wait_s
         self.stub = env_grpc.EnvironmentServiceStub(channel)
         self.wanted_env = env
         self.timeout_s = timeout_s
@@ -175,8 +177,8 @@ class EnvChecks:
             "Describe")
 
     async def wait_closed(self, episode_id: str, what: str) -> None:
-        """Poll (read-only Verify) until `episode_id` is gone, or fail after CLOSE_ON_END_WAIT_S."""
-        deadline = asyncio.get_running_loop().time() + CLOSE_ON_END_WAIT_S
+        """Poll (read-only Verify) until `episode_id` is gone, or fail after `close_wait_s`."""
+        deadline = asyncio.get_running_loop().time() + self.close_wait_s
         while True:
             request = env_pb2.VerifyRequest(request_id=new_id(), episode_id=episode_id)
             try:
@@ -185,7 +187,7 @@ class EnvChecks:
                 expect_error(decode_rpc_error(error), NOT_FOUND, "EPISODE_NOT_FOUND")
                 return
             if asyncio.get_running_loop().time() > deadline:
-                raise CheckFailed(f"episode {episode_id} is still open {CLOSE_ON_END_WAIT_S:g} s after {what}")
+                raise CheckFailed(f"episode {episode_id} is still open {self.close_wait_s:g} s after {what}")
             await asyncio.sleep(0.1)
 
     async def cleanup(self) -> None:
@@ -614,13 +616,14 @@ class EnvChecks:
 
 
 async def check_env(config: ChannelConfig, env: str | None = None, timeout_s: float = 30.0,
-                    only: list[str] | None = None) -> Report:
+                    only: list[str] | None = None, close_wait_s: float = CLOSE_ON_END_WAIT_S) -> Report:
     """Run the environment checks against `config.target` (a check runs at most `timeout_s`);
-    `only`: names of the checks to run (describe always runs first)."""
+    `only`: names of the checks to run (describe always runs first); `close_wait_s`: how long the
+    episodes of an ended or cancelled Session may take to close."""
     report = Report("env", config.target)
     # One attempt per call: the channel's own retries would hide what the server answered.
     async with make_channel(config.model_copy(update={"max_attempts": 1})) as channel:
-        checks = EnvChecks(channel, env, timeout_s)
+        checks = EnvChecks(channel, env, timeout_s, close_wait_s)
         selected = [(name, run) for name, run in checks.checks()
                     if only is None or name == "describe" or name in only]
         try:

@@ -64,7 +64,8 @@ def test_each_broken_server_is_caught(broken: tuple[str, ServerProcess]) -> None
     fault, server = broken
     code, report = run_kit("env", server.target, "--only", "unknown_environment", "--only", "step_retry_is_idempotent",
                            "--only", "session_multiplexing", "--only", "session_closes_episodes_on_end",
-                           "--only", "session_closes_episodes_on_cancel", "--only", "episode_lifecycle")
+                           "--only", "session_closes_episodes_on_cancel", "--only", "episode_lifecycle",
+                           "--close-wait", "2")  # the leaky server never closes them: 2 s tells
     failed = {name for name, outcome in outcomes(report).items() if outcome == "FAIL"}
     expected, says = CAUGHT_BY[fault]
     assert code == 1 and not report["ok"]
