@@ -48,7 +48,7 @@ SPLITS: dict[str, tuple[str, str | None]] = {
     "short_text_train": ("short_text_train.jsonl", None),
     "short_text_test": ("short_text_test.jsonl", None),
 }
-TEXT_ANSWER_SPLITS = frozenset({"short_text_train", "short_text_test"})
+TEXT_ANSWER_SPLITS = frozenset(split for split in SPLITS if split.startswith("short_text_"))
 
 
 class GSM8kOptions(BaseModel):
@@ -184,7 +184,7 @@ def last_number(text: str) -> str | None:
     """The last number written in `text` without its thousands commas, or None: GSM8K's usual
     final-number extraction from a reply in prose."""
     numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+    return numbers[-1].replace(",", "") if numbers else None
 
 
 class TextAnswerEnv(CalculatorEnv):
@@ -201,14 +201,15 @@ class TextAnswerEnv(CalculatorEnv):
         return copy.deepcopy(self)
 
     async def step(self, action: Message) -> tuple[Messages, float, bool, bool]:
-        correct, reward = grade_text_answer(self.problem, self.answer, action)
+        correct, reward = grade_text_reply(self, action)
         self.state = {"correct": correct}
         verdict = "correct" if correct else "incorrect"
         return [Message(content=f"The answer is {verdict}.")], reward, True, False
 
 
-def grade_text_answer(question: str, answer: float | str, reply: Message) -> tuple[bool, float]:
-    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+def grade_text_reply(env: CalculatorEnv, reply: Message) -> tuple[bool, float]:
+    """(correct, reward) of `reply` to `env`'s problem: its last number, as env.submit_answer
+    grades a submission; no number is a wrong answer."""
     submitted = last_number(reply.content or "")  # a tool call (none is offered): its text alone
     if submitted is None:
         return False, env.config.incorrect_reward
@@ -322,7 +323,8 @@ def _score_text_reply(question: str, answer: float, messages: Sequence[Message])
     reply = next((m for m in messages if m.role == "assistant"), None)
     if reply is None:
         return no_submission(CalculatorEnvConfig().incorrect_reward)
-    correct, reward = grade_text_answer(question, answer, reply)
+    env = CalculatorEnv(problem_id=None, problem=question, answer=answer, config=CalculatorEnvConfig())
+    correct, reward = grade_text_reply(env, reply)
     return reward, {"correct": float(correct), "submitted": 1.0}
 
 

@@ -96,7 +96,9 @@ async def test_short_text_problems_are_the_short_ones_answered_by_the_last_numbe
     assert await graded(f"First 3, then {answer}.") == (1.0, True)  # the last number is the answer
     assert await graded(f"{answer} apples, not 3.") == (0.0, True)
     assert await graded("I cannot tell.") == (0.0, True)  # no number: wrong, not a failed tool call
-    assert await graded(f"It is {int(answer):,}.0") == (1.0, True)
+    assert await graded(f"It is {answer}.0") == (1.0, True)
+    from env_servers.envs.gsm8k import last_number
+    assert [last_number(t) for t in ("It is 1,250.", "-3 left", "7.5 each", "none")] == ["1250", "-3", "7.5", None]
     rescored, components = await source.rescore("short_text_test", 4, [*observations,
                                                 Message(role="assistant", content=f"So {answer}.")])
     assert (rescored, components) == (1.0, {"correct": 1.0, "submitted": 1.0})
