@@ -4,10 +4,22 @@ Built on Aviary's NBEnvironment with a local kernel (no Docker). Each episode co
 folder into a fresh temporary directory (its workspace), runs its own kernel there in a bwrap
 sandbox with limits (env_servers.sandbox; `sandbox: none` opts out), and removes both on close.
 A submit_answer tool ends the episode: reward 1 for a correct answer, 0 otherwise.
+
+Per-episode options (ResetRequest.options, `NotebookEpisodeOptions`):
+- `observation: history | state`: what a step observes (see DataAnalysisEnv.state_view);
+- `action: tools | code`: with `code` no tool is offered, for models that write code but not tool
+  calls: a reply's first ```python block runs as the next cell, and a reply without one is the
+  answer (the text after its last "Answer:", else all of it);
+- `cell_reward`: a shaping term, added to the reward of each step whose cell ran to the end
+  without an error (0 by default). It gives step-level groups a signal before the model can
+  answer; it is counted in the reward component `clean_cells`.
+Verify of a live episode grades all of this; rescoring a stored trajectory reads its last
+submit_answer call only (tool actions, no cell reward).
 """
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -49,13 +61,16 @@ class NotebookTask(BaseModel):
         default=None, description="Absolute tolerance for numeric answers; None: exact match."
     )
 
-    def prompt(self) -> str:
-        return (
-            f"Answer this question about the data in {', '.join(self.files)} (in the working"
-            " directory of the notebook). Use edit_cell to run Python code (pandas is"
-            " available), and when you know the answer call submit_answer with the answer alone,"
-            f" no units or explanation.\n\nQuestion: {self.question}"
-        )
+    def prompt(self, action: "ActionMode" = "tools") -> str:
+        where = f"Answer this question about the data in {', '.join(self.files)} (in the working directory of the notebook)."
+        if action == "code":
+            how = (" To run Python code (pandas is available), reply with one ```python block: it runs as the next"
+                   " cell of the notebook and you see its output. When you know the answer, reply with"
+                   " \"Answer:\" and the answer alone, no units, explanation or code.")
+        else:
+            how = (" Use edit_cell to run Python code (pandas is available), and when you know the answer call"
+                   " submit_answer with the answer alone, no units or explanation.")
+        return f"{where}{how}\n\nQuestion: {self.question}"
 
     def is_correct(self, submitted: str) -> bool:
         """Numbers: |submitted - answer| <= tolerance; everything else: equal ignoring case."""
@@ -98,10 +113,21 @@ class NotebookOptions(BaseModel):
                                 if name in type(self).model_fields})
 
 
+ActionMode = Literal["tools", "code"]
+
+
 class NotebookEpisodeOptions(BaseModel):
     """Per-episode options of the notebook environment (ResetRequest.options)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    action: ActionMode = Field(
+        default="tools",
+        description="tools: edit_cell, list_workdir and submit_answer; code: no tools, a reply's first ```python"
+        " block runs as the next cell and a reply without one is the answer")
+    cell_reward: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Added to the reward of a step whose cell ran without an error (a shaping term)")
 
     observation: Literal["history", "state"] = Field(
         default="history",
@@ -159,6 +185,9 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         self.task = task
         self.options = options
         self.observation = "history"  # NotebookEpisodeOptions.observation
+        self.action_mode: ActionMode = "tools"  # NotebookEpisodeOptions.action
+        self.cell_reward = 0.0  # NotebookEpisodeOptions.cell_reward
+        self.clean_runs = 0  # cell runs that ended without an error or a limit
         self.action_log: list[str] = []  # the agent's actions in short, for the state view
         self.reward_components: RewardComponents = {}
 
@@ -174,15 +203,47 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
             raise
         self.reward_components = {}
         self.action_log = []
-        self.tools = [*tools, Tool.from_function(self.submit_answer)]
-        return [Message(content=self.task.prompt()), *notebook_observations], self.tools
+        self.clean_runs = 0
+        self.tools = [] if self.action_mode == "code" else [*tools, Tool.from_function(self.submit_answer)]
+        return [Message(content=self.task.prompt(self.action_mode)), *notebook_observations], self.tools
 
     async def step(self, action: Message) -> tuple[Messages, float, bool, bool]:
-        observations, reward, terminated, truncated = await super().step(action)
-        self.action_log.extend(_short_actions(action, observations))
+        clean_before = self.clean_runs
+        if self.action_mode == "code":
+            observations, reward, terminated, truncated = await self._code_step(action)
+        else:
+            observations, reward, terminated, truncated = await super().step(action)
+            self.action_log.extend(_short_actions(action, observations))
+        if self.cell_reward and self.clean_runs > clean_before:  # once per step, however many cells ran
+            # r_t = (grade of an answer given at t) + cell_reward * [a cell of step t ran cleanly]
+            reward += self.cell_reward
+            self.state.total_reward += self.cell_reward
+            self.reward_components["clean_cells"] = self.reward_components.get("clean_cells", 0.0) + 1.0
         if self.observation == "state":
             observations = [self.state_view()]
         return observations, reward, terminated, truncated
+
+    async def _code_step(self, action: Message) -> tuple[Messages, float, bool, bool]:
+        """A code action: the reply's first ```python block runs as a new cell (a limit that stops
+        it, or a workspace over its size, is reported as the result, as a tool call's error would
+        be); a reply without a block is the answer."""
+        reply = action.content or ""
+        before = self.state.total_reward
+        code = code_block(reply)
+        if code is None:
+            answer = final_answer(reply)
+            result = await self.submit_answer(answer)
+            observations = [Message(content=result)]
+            self.action_log.append(_cut(f"answered {answer!r} -> {result}"))
+        else:
+            try:
+                result = await self.edit_cell(code)
+            except Exception as error:  # noqa: BLE001 -- what stopped the cell is the agent's to read
+                result = f"{type(error).__name__}: {error}"
+            observations = [Message(content=result), self.get_env_state_msg()]
+            self.action_log.append(_cut(f"ran a cell: {code} -> {result}"))
+        self.state.actions.append(reply)
+        return observations, self.state.total_reward - before, self.state.done, False
 
     def state_view(self) -> Message:
         """The instruction, the latest earlier actions in short, and the notebook as it is now: a
@@ -210,6 +271,8 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
                 continue
             result = await self.state.kernel.run_cell(cell.source, limits)
             cell.outputs = result.outputs
+            if result.stopped is None and not any(output.get("output_type") == "error" for output in result.outputs):
+                self.clean_runs += 1
             if result.stopped is not None:
                 note = f"Cell {index} was stopped: {result.stopped}." + (
                     " The kernel was restarted: variables and imports of earlier cells are gone."
@@ -234,7 +297,7 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         cells run again in order, so that the kernel has the variables they made. Exact when the
         cells are deterministic. A replayed cell stopped by a limit fails the fork."""
         twin = DataAnalysisEnv(self.task, self.options.data_dir, self.options)
-        twin.observation = self.observation
+        twin.observation, twin.action_mode, twin.cell_reward = self.observation, self.action_mode, self.cell_reward
         twin.work_dir = self.state.work_dir  # reset copies this folder into a fresh workspace
         try:
             await twin.reset()
@@ -269,7 +332,7 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         self.state.answer = answer
         self.state.done = True
         self.state.total_reward += 1.0 if correct else 0.0
-        self.reward_components = {"correct": float(correct)}
+        self.reward_components["correct"] = float(correct)
         return "Answer submitted; the episode is over."
 
     async def close(self) -> None:
@@ -289,9 +352,11 @@ class NotebookSource(EnvironmentSource):
     description = (
         "Data-analysis questions on CSV files answered in a local Jupyter notebook; tools:"
         " edit_cell(contents, idx), list_workdir(), submit_answer(answer)."
-        " Reward 1 for a correct submitted answer, else 0. Reset option observation: history (default:"
+        " Reward 1 for a correct submitted answer, else 0. Reset options: observation: history (default:"
         " each step's observations are appended) | state (each step's observation is the whole view:"
-        " instruction, earlier actions in short, current notebook)."
+        " instruction, earlier actions in short, current notebook); action: tools (default) | code (no"
+        " tools: a reply's ```python block runs as the next cell, a reply without one is the answer);"
+        " cell_reward: added to the reward of a step whose cell runs without an error (default 0)."
     )
 
     fork_mode = FORK_REPLAY
@@ -364,12 +429,13 @@ class NotebookSource(EnvironmentSource):
             NotebookEpisodeOptions.model_validate(dict(options))
         except ValidationError as error:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-            raise ValueError(f"notebook per-episode options: {problems} (it takes observation: history | state)"
-                             ) from None
+            raise ValueError(f"notebook per-episode options: {problems} (it takes observation: history | state,"
+                             " action: tools | code, cell_reward: a number from 0 to 1)") from None
 
     def configure(self, env: Environment, options: Mapping[str, str]) -> None:
         if isinstance(env, DataAnalysisEnv):
-            env.observation = NotebookEpisodeOptions.model_validate(dict(options)).observation
+            chosen = NotebookEpisodeOptions.model_validate(dict(options))
+            env.observation, env.action_mode, env.cell_reward = chosen.observation, chosen.action, chosen.cell_reward
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         return no_submission(0.0)
@@ -398,6 +464,24 @@ def _short_actions(action: Message, observations: Messages) -> list[str]:
         result = results.get(call.id, "")
         lines.append(_cut(f"{call.function.name}({arguments}) -> {result}"))
     return lines
+
+
+_CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_ANSWER = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
+
+
+def code_block(reply: str) -> str | None:
+    """The code of the reply's first fenced block (one cut off by max_tokens included), or None."""
+    match = _CODE_BLOCK.search(reply)
+    return match.group(1) if match is not None and match.group(1).strip() else None
+
+
+def final_answer(reply: str) -> str:
+    """The answer in a reply without code: the rest of the line after its last "Answer:", else the
+    whole reply, without the quotes, emphasis or full stop around it."""
+    answers = _ANSWER.findall(reply)
+    answer = answers[-1] if answers else reply
+    return answer.strip().removesuffix(".").strip("*`'\" ").removesuffix(".")
 
 
 def _cut(text: str) -> str:
