@@ -33,9 +33,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from clients.env_client import EnvClient
 from clients.policy_client import GenerationGroup, PolicyClient, generate_request, text_only
@@ -99,6 +99,11 @@ def env_pool(targets: Sequence[str | ChannelConfig], **options: object) -> EnvPo
 def policy_pool(targets: Sequence[str | ChannelConfig], **options: object) -> PolicyPool:
     """A pool of policy server replicas; options as for ReplicaPool."""
     return ReplicaPool(targets, PolicyClient, pb.POLICY_SERVICE, **options)  # type: ignore[arg-type]
+
+
+# Per-episode env options as a config gives them: YAML scalars (0.1, true) are sent as their text.
+ResetOptions = dict[str, Annotated[str, BeforeValidator(lambda value: value if isinstance(value, str) else
+                                                        str(value).lower() if isinstance(value, bool) else str(value))]]
 
 
 class Sampling(BaseModel):

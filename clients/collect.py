@@ -49,6 +49,7 @@ from clients.agent import (
     AgentSettings,
     EnvPool,
     PolicyPool,
+    ResetOptions,
     Sampling,
     env_pool,
     policy_pool,
@@ -99,6 +100,8 @@ class CollectConfig(BaseModel):
     step_groups: StepGroupSettings = Field(default_factory=StepGroupSettings)
     observation: Literal["history", "state"] | None = Field(
         None, description="The notebook env's context policy, sent with every Reset (unset: the env's default)")
+    reset_options: ResetOptions = Field(
+        default_factory=dict, description="More per-episode env options sent with every Reset (notebook: action: code)")
     retries: RetryPolicy = Field(default_factory=RetryPolicy)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
@@ -118,7 +121,7 @@ class CollectConfig(BaseModel):
     @property
     def options(self) -> dict[str, str]:
         """The env options of every Reset."""
-        return {"observation": self.observation} if self.observation else {}
+        return {**self.reset_options, **({"observation": self.observation} if self.observation else {})}
 
 
 def tasks_of(env: str, split: str, count: int, start: int = 0) -> Iterator[TaskKey]:

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from clients import resume
-from clients.agent import AgentSettings, Sampling, env_pool, policy_pool
+from clients.agent import AgentSettings, ResetOptions, Sampling, env_pool, policy_pool
 from clients.collect import collect, collect_step_tasks, fork_mode, split_size
 from clients.curriculum import read_curriculum
 from clients.retries import Deadlines, RetryPolicy
@@ -155,6 +155,13 @@ class RolloutSettings(BaseModel):
             " history); state needs grouping step"
         ),
     )
+    reset_options: ResetOptions = Field(
+        default_factory=dict,
+        description=(
+            "More per-episode env options sent with every Reset (notebook: action: code, cell_reward: 0.1);"
+            " the environment checks them"
+        ),
+    )
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
     max_groups_ahead: int | None = Field(
         None,
@@ -182,7 +189,7 @@ class RolloutSettings(BaseModel):
 
     @model_validator(mode="after")
     def _state_view_trains_by_step(self) -> RolloutSettings:
-        if self.observation == "state" and self.grouping != "step":
+        if self.options.get("observation") == "state" and self.grouping != "step":
             raise ValueError(
                 "rollout.observation state needs rollout.grouping step: a state-view episode's turns"
                 " do not extend one another, so they cannot train as one trajectory"
@@ -192,7 +199,7 @@ class RolloutSettings(BaseModel):
     @property
     def options(self) -> dict[str, str]:
         """The env options of every Reset."""
-        return {"observation": self.observation} if self.observation else {}
+        return {**self.reset_options, **({"observation": self.observation} if self.observation else {})}
 
     def split(self) -> tuple[str, str]:
         env, sep, split = self.tasks.partition(":")

@@ -20,3 +20,12 @@ def test_a_learner_temperature_other_than_the_sampling_one_is_refused() -> None:
         load_train_config("demo", ["rollout.sampling.temperature=0.7", "learner.grpo.temperature=0.5"])
     same = load_train_config("demo", ["rollout.sampling.temperature=0.7", "learner.grpo.temperature=0.7"])
     assert same.learner.grpo.temperature == 0.7
+
+
+def test_reset_options_are_sent_with_every_reset_beside_the_observation() -> None:
+    config = load_train_config("demo", ["env.envs=[notebook]", "rollout.tasks=notebook:train", "rollout.grouping=step",
+                                        "rollout.observation=state", "rollout.reset_options.action=code",
+                                        "rollout.reset_options.cell_reward=0.1"])
+    assert config.rollout.options == {"action": "code", "cell_reward": "0.1", "observation": "state"}
+    with pytest.raises(ConfigError, match="rollout.observation state needs rollout.grouping step"):
+        load_train_config("demo", ["rollout.reset_options.observation=state"])
