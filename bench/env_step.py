@@ -35,6 +35,12 @@ Prints JSON (to stdout, and `--output`) with the ratios of the goals:
   env_client_unary, session_per_episode / session  (for comparison)
   2 workers / 1 worker env_client steps/s         at 256          (goal >= 1.5)
 
+and where unary's extra CPU per step goes (`unary_cost_at_N`): an episode is 4 unary calls for
+2 steps where Session sends 4 stream messages, so grpc.aio's own price of a unary call over a
+stream message (unary_echo - transport_echo, server and client CPU, both bare) is paid twice per
+step; `rest` is what is left for sciproto's unary path, and `unary_over_session_bound` the ratio
+unary would reach on these cores (CPU-bound: server and client share them) if that rest were 0.
+
 Each point is measured in `--slices` slices with the systems taking turns, so that the load of
 a shared machine falls on all of them alike.
 
@@ -606,11 +612,30 @@ def ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]
         out[f"aviary_http_server_cpu_over_session_at_{at}"] = (
             results["aviary_http"][str(at)]["server_cpu_ms_per_step"]
             / results["session"][str(at)]["server_cpu_ms_per_step"])
+        out.update({f"unary_{key}_at_{at}": value for key, value in unary_cost(results, at).items()})
     high = max(concurrencies)
     for n in workers:
         if n > 1:
             out[f"env_client_{n}_workers_over_1_at_{high}"] = rate(f"env_client_{n}_workers", high) / rate("env_client", high)
     return {key: round(value, 3) for key, value in out.items()}
+
+
+UNARY_CALLS_PER_STEP = 2  # reset, step, step, close: 4 calls (or stream messages) per 2 steps
+
+
+def unary_cost(results: dict[str, Any], at: int) -> dict[str, float]:
+    """Unary's extra CPU per step over Session, split into grpc.aio's price of a unary call over a
+    stream message (the bare echos) and the rest; and the unary/Session ratio that price alone allows."""
+    def cpu(system: str, side: str) -> float:
+        return results[system][str(at)][f"{side}_cpu_ms_per_step"]
+
+    excess = sum(cpu("unary", side) - cpu("session", side) for side in ("server", "client"))
+    transport = UNARY_CALLS_PER_STEP * sum(cpu("unary_echo", side) - cpu("transport_echo", side)
+                                           for side in ("server", "client"))
+    session = cpu("session", "server") + cpu("session", "client")
+    return {"excess_cpu_ms_per_step": excess, "grpc_call_over_message_cpu_ms_per_step": transport,
+            "rest_cpu_ms_per_step": excess - transport,
+            "over_session_bound": session / (session + transport)}
 
 
 def goals(ratio: dict[str, float], concurrencies: list[int], workers: list[int]) -> dict[str, bool]:
