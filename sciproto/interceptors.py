@@ -1,12 +1,6 @@
 """Server interceptors: each wraps every call, whatever its streaming shape,
 in one async context (`around`), so a cross-cutting concern is written once
-instead of four times (unary/stream x unary/stream).
-
-sciproto's own interceptors (logging, errors, auth) are not installed as grpc.aio interceptors:
-`WrappingRegistrar` wraps each method's handler in them once, as the services register, so a
-call pays for its `around` contexts alone. grpc.aio runs every installed interceptor's
-`intercept_service` coroutine for every call; with none installed (tracing off) it looks the
-handler up directly."""
+instead of four times (unary/stream x unary/stream)."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -50,60 +44,13 @@ class AroundInterceptor(grpc.aio.ServerInterceptor):
         known = wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        made = self.wrap(handler, method)
+        made = wrap_handler(self.prepare(handler), method, self.around)
         wrapped[method] = (handler, made)  # holds `handler`, so its identity stays its own
         return made
-
-    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        """`handler` running inside `around(method, context)`."""
-        return wrap_handler(self.prepare(handler), method, self.around)
 
     def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """Adapt the handler before it is wrapped; the identity unless a subclass says otherwise."""
         return handler
-
-
-class WrappingRegistrar:
-    """Stands in for a grpc.aio.Server where services register (`add_*_to_server(servicer, registrar)`),
-    and registers each method's handler on the server wrapped in `interceptors`, the first
-    outermost, once: the same calls as installing them as interceptors, without grpc.aio's
-    per-call interceptor chain."""
-
-    def __init__(self, server: grpc.aio.Server, interceptors: Sequence[AroundInterceptor]) -> None:
-        self.server = server
-        self.interceptors = tuple(interceptors)
-
-    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        for interceptor in reversed(self.interceptors):
-            handler = interceptor.wrap(handler, method)
-        return handler
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self.server.add_generic_rpc_handlers([_WrappedGenericHandler(handler, self.wrap) for handler in handlers])
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.server.add_registered_method_handlers(
-            service, {name: self.wrap(handler, f"/{service}/{name}") for name, handler in handlers.items()})
-
-
-class _WrappedGenericHandler(grpc.GenericRpcHandler):
-    """A generic handler whose method handlers come wrapped, each made once and reused while the
-    handler beneath stays the same object."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler,
-                 wrap: Callable[[grpc.RpcMethodHandler, str], grpc.RpcMethodHandler]) -> None:
-        self.inner, self._wrap = inner, wrap
-        self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = self.inner.service(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        known = self._made.get(method)
-        if known is None or known[0] is not handler:
-            known = self._made[method] = (handler, self._wrap(handler, method))
-        return known[1]
 
 
 # A refused client-streaming call reads what its client already sent before the
@@ -244,11 +191,7 @@ class ErrorInterceptor(AroundInterceptor):
 
 class LoggingInterceptor(AroundInterceptor):
     """One log line per call: method, outcome, duration, at debug level; while that level is
-    off, calls pass straight through (wrapped by a WrappingRegistrar: when it is off as the
-    services register, at server start)."""
-
-    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        return super().wrap(handler, method) if log.isEnabledFor(logging.DEBUG) else handler
+    off, calls pass straight through."""
 
     async def intercept_service(
         self,

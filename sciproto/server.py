@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, Field, model_validator
 
 from sciproto.auth import AuthConfig, Authenticator, AuthInterceptor, roles_for_service
 from sciproto.config import ConfigError
-from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor, WrappingRegistrar
+from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
 from sciproto.pb import common_pb2
 from sciproto.tls import TlsServerConfig, is_loopback
 from sciproto.version import PROTOCOL_VERSION, __version__
@@ -77,7 +77,7 @@ class Service:
 
     name: str  # full service name, e.g. "sciproto.v1.EnvironmentService"
     servicer: Any
-    register: Callable[[Any, Any], None]  # add_*Servicer_to_server(servicer, server or WrappingRegistrar)
+    register: Callable[[Any, grpc.aio.Server], None]
 
 
 class RunningServer:
@@ -148,17 +148,16 @@ async def start_server(
     if credentials is None and config.tls is not None:
         credentials = config.tls.credentials()
     security = [AuthInterceptor(authenticator)] if authenticator is not None else []
-    server = grpc.aio.server(interceptors=list(interceptors) or None, options=config.grpc_options())
-    # Ours wrap each handler once, inside the installed ones (see WrappingRegistrar).
-    registrar = WrappingRegistrar(server, [LoggingInterceptor(), ErrorInterceptor(), *security])
+    server = grpc.aio.server(
+        interceptors=[*interceptors, LoggingInterceptor(), ErrorInterceptor(), *security],
+        options=config.grpc_options(),
+    )
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in services:
-        service.register(service.servicer, registrar)
+        service.register(service.servicer, server)
     names = [s.name for s in services]
-    # enable_server_reflection picks the aio servicer by the server's type: register it here instead.
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        reflection.aio.ReflectionServicer([*names, health.SERVICE_NAME, reflection.SERVICE_NAME]), registrar)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
     _check_bindable(config.host, config.port)
     try:

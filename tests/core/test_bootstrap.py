@@ -134,25 +134,3 @@ async def test_retries_are_bounded_when_nothing_listens() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await step(channel, "x")
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-
-
-async def test_our_interceptors_wrap_each_handler_once_and_run_on_every_call(caplog: pytest.LogCaptureFixture) -> None:
-    """Logging, errors and auth are wrapped around each method's handler as services register,
-    not installed as grpc.aio interceptors (whose chain runs per call): with tracing off the server
-    installs no interceptor, and the wrapped handlers still run on every call (a debug line each)."""
-    from sciproto.server import ServerConfig, start_server
-
-    caplog.set_level("DEBUG", logger="sciproto.server")
-    running = await start_server(ServerConfig(), services=[])
-    try:
-        async with make_channel(f"127.0.0.1:{running.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            for _ in range(3):
-                assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
-            with pytest.raises(grpc.aio.AioRpcError) as unknown:
-                await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
-        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-        calls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("/grpc.health.v1.Health/Check")]
-        assert len(calls) == 4 and calls[-1].split()[1] != "OK", calls
-    finally:
-        await running.stop()
