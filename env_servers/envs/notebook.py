@@ -253,7 +253,7 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
         lines = ([f"({omitted} earlier actions not shown)"] if omitted else []) + [
             f"{len(self.action_log) - len(earlier) + number + 1}. {line}" for number, line in enumerate(earlier)]
         notebook = self.get_env_state_msg()
-        text = (f"{self.task.prompt()}\n\nYour actions so far:\n" + ("\n".join(lines) or "(none)")
+        text = (f"{self.task.prompt(self.action_mode)}\n\nYour actions so far:\n" + ("\n".join(lines) or "(none)")
                 + f"\n\n{notebook.content if not notebook.content_is_json_str else _text_of(notebook)}")
         if notebook.content_is_json_str:  # the notebook has images: keep them
             return Message.create_message(text=text, images=_images_of(notebook))

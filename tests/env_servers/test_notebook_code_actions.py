@@ -71,3 +71,15 @@ def test_a_reply_is_read_as_code_or_as_an_answer() -> None:
     assert code_block("no code here") is None and code_block("```python\n```") is None
     assert final_answer("I computed it.\nAnswer: **62.0**.") == "62.0"
     assert final_answer("answer: North\nAnswer: South") == "South" and final_answer(" 0.5 ") == "0.5"
+
+
+async def test_the_state_view_of_a_code_episode_keeps_the_code_instruction_and_lists_the_cells_run(
+        env_server: ServerProcess) -> None:
+    async with EnvClient(env_server.target) as client, client.session() as session:
+        reset = await session.reset("notebook", split="test", index=0,
+                                    options={"action": "code", "observation": "state"})
+        instruction = reset.observations[0].content
+        step = await session.step(reset.episode_id, reply("```python\nprint(6 * 7)\n```"))
+        [view] = step.observations
+        assert view.content.startswith(instruction) and "edit_cell" not in instruction
+        assert "1. ran a cell: print(6 * 7) -> Appended new cell (#0)." in view.content and "42" in view.content
