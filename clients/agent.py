@@ -101,9 +101,15 @@ def policy_pool(targets: Sequence[str | ChannelConfig], **options: object) -> Po
     return ReplicaPool(targets, PolicyClient, pb.POLICY_SERVICE, **options)  # type: ignore[arg-type]
 
 
-# Per-episode env options as a config gives them: YAML scalars (0.1, true) are sent as their text.
-ResetOptions = dict[str, Annotated[str, BeforeValidator(lambda value: value if isinstance(value, str) else
-                                                        str(value).lower() if isinstance(value, bool) else str(value))]]
+def _option_text(value: object) -> object:
+    """A per-episode env option as it goes on the wire: YAML scalars (0.1, true) as their text."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, int | float) else value
+
+
+# Per-episode env options (ResetRequest.options) as a config gives them.
+ResetOptions = dict[str, Annotated[str, BeforeValidator(_option_text)]]
 
 
 class Sampling(BaseModel):
