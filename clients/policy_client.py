@@ -22,11 +22,11 @@ from sciproto.channel import ChannelConfig, make_channel
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
 from sciproto.tracing import current_trace_context
+from sciproto.units import MiB
 
 if TYPE_CHECKING:
     import torch
 
-MiB = 1024 * 1024
 UPDATE_WEIGHTS = "/sciproto.v1.PolicyService/UpdateWeights"
 
 

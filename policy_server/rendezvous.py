@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MiB = 2**20
+from sciproto.units import MiB
 
 
 class CollectiveRendezvous(BaseModel):

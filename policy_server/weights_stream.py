@@ -19,8 +19,7 @@ import torch
 from policy_server.types import TensorSpec, dtype_name
 from sciproto.errors import FailedPrecondition, InvalidArgument, Reason
 from sciproto.pb import policy_pb2
-
-MiB = 1024 * 1024
+from sciproto.units import MiB
 
 DTYPE_TO_PROTO: dict[str, int] = {
     "float32": policy_pb2.TENSOR_DTYPE_FLOAT32,

@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sciproto.tls import read_pem
 from sciproto.token_store import ClientToken
-
-MiB = 1024 * 1024
+from sciproto.units import MiB
 
 
 class TlsClientConfig(BaseModel):

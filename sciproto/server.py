@@ -24,11 +24,10 @@ from sciproto.config import ConfigError
 from sciproto.interceptors import ErrorInterceptor, LoggingInterceptor
 from sciproto.pb import common_pb2
 from sciproto.tls import TlsServerConfig, is_loopback
+from sciproto.units import MiB
 from sciproto.version import PROTOCOL_VERSION, __version__
 
 log = logging.getLogger("sciproto.server")
-
-MiB = 1024 * 1024
 
 
 class ServerConfig(BaseModel):

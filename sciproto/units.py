@@ -1,0 +1,3 @@
+"""Byte units, for sizes written in code and config defaults."""
+
+MiB = 1024 * 1024
