@@ -125,26 +125,16 @@ def cpu_seconds(processes: Sequence[psutil.Process]) -> float:
 
 async def measure(system: System, concurrency: int, seconds: float, window: Window) -> None:
     """Add to `window`: `concurrency` loops of whole episodes for `seconds` (one slice)."""
-    stop_at = time.perf_counter() + seconds
-
-    async def loop(worker: int) -> None:
-        for index in itertools.count(worker, concurrency):
-            if time.perf_counter() >= stop_at:
-                return
-            await system.episode(index, window)
-
     cpu_before = cpu_seconds(system.servers)
-    own_before = time.process_time()
-    started = time.perf_counter()
-    await asyncio.gather(*(loop(worker) for worker in range(concurrency)))
-    window.elapsed_s += time.perf_counter() - started
+    elapsed, client_cpu = await system.drive(concurrency, seconds, window)
+    window.elapsed_s += elapsed
     window.server_cpu_s += cpu_seconds(system.servers) - cpu_before
-    window.client_cpu_s += time.process_time() - own_before
+    window.client_cpu_s += client_cpu
 
 
 async def warm_up(system: System, concurrency: int) -> None:
     """One episode per loop, not measured (datasets load, connections open)."""
-    await asyncio.gather(*(system.episode(i, Window()) for i in range(concurrency)))
+    await system.drive(concurrency, 0.0, Window(), episodes_per_loop=1)
 
 
 class System:
@@ -158,6 +148,25 @@ class System:
 
     async def episode(self, index: int, window: Window) -> None:
         raise NotImplementedError
+
+    async def drive(self, concurrency: int, seconds: float, window: Window,
+                    episodes_per_loop: int = 0) -> tuple[float, float]:
+        """`concurrency` loops of episodes, none started after `seconds` nor past
+        `episodes_per_loop` in a loop (0: no cap), recorded in `window`; the elapsed seconds and
+        the client's CPU seconds."""
+        stop_at = time.perf_counter() + seconds
+
+        async def loop(worker: int) -> None:
+            for count, index in enumerate(itertools.count(worker, concurrency)):
+                if (episodes_per_loop and count >= episodes_per_loop
+                        or not episodes_per_loop and time.perf_counter() >= stop_at):
+                    return
+                await self.episode(index, window)
+
+        own_before = time.process_time()
+        started = time.perf_counter()
+        await asyncio.gather(*(loop(worker) for worker in range(concurrency)))
+        return time.perf_counter() - started, time.process_time() - own_before
 
     async def stop(self) -> None:
         pass
@@ -461,6 +470,79 @@ class UnaryEcho(System):
         await self.channel.close()
 
 
+class Native(System):
+    """bench/native/env_load (C++, gRPC's callback API) driving `mode` against `targets`: the
+    server measured by a client whose own CPU and thread hops are small beside the server's.
+    On these 2 cores the Python client's 0.5-0.7 ms of CPU per step is otherwise a large part of
+    what the latency and scaling figures measure."""
+
+    def __init__(self, name: str, mode: str, targets: list[str], servers: list[psutil.Process]) -> None:
+        self.name, self.mode, self.targets, self.servers = name, mode, targets, servers
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            str(NATIVE_BINARY), self.mode, ",".join(self.targets), "--split", SPLIT, "--tasks", str(TASKS),
+            "--expr", EXPRESSION, "--answer", ANSWER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            limit=2**28)  # one answer line carries every step latency of a window
+
+    async def drive(self, concurrency: int, seconds: float, window: Window,
+                    episodes_per_loop: int = 0) -> tuple[float, float]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(f"run {concurrency} {seconds} {episodes_per_loop}\n".encode())
+        await self.process.stdin.drain()
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout=seconds + 120)
+        if not line:
+            raise RuntimeError(f"{self.name}: env_load exited with {await self.process.wait()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{self.name}: {answer['error']}")
+        window.step_latencies_s.extend(ns / 1e9 for ns in answer["latencies_ns"])
+        window.episodes += answer["episodes"]
+        return answer["elapsed_s"], answer["cpu_s"]
+
+    async def stop(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"quit\n")
+        self.process.stdin.close()
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout=60)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+
+
+NATIVE_DIR = Path(__file__).resolve().parent / "native"
+NATIVE_BINARY = NATIVE_DIR / "build" / "env_load"
+
+
+def build_native() -> str | None:
+    """Builds bench/native/env_load if it is missing or older than its sources (CMake, a C++
+    compiler, protoc, grpc_cpp_plugin, and grpc++ and protobuf found by pkg-config); None when
+    it is ready, else why not."""
+    import shutil
+    import subprocess
+
+    root = NATIVE_DIR.parents[1]
+    sources = [*NATIVE_DIR.glob("*.cc"), NATIVE_DIR / "CMakeLists.txt", *(root / "clients" / "cpp").glob("*.*"),
+               *(root / "proto").rglob("*.proto")]
+    newest = max(path.stat().st_mtime for path in sources if path.is_file())
+    if NATIVE_BINARY.exists() and NATIVE_BINARY.stat().st_mtime >= newest:
+        return None
+    missing = [tool for tool in ("cmake", "c++", "protoc", "grpc_cpp_plugin", "pkg-config") if not shutil.which(tool)]
+    if missing:
+        return (f"the native client needs {', '.join(missing)} (Debian: libgrpc++-dev protobuf-compiler-grpc "
+                "protobuf-compiler libprotobuf-dev cmake g++ pkg-config)")
+    progress("building the native client (bench/native, about a minute)")
+    build = NATIVE_DIR / "build"
+    for command in (["cmake", "-S", str(NATIVE_DIR), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
+                    ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", "env_load"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            return f"building the native client failed ({' '.join(command[:2])}): " + " / ".join(tail)
+    return None
+
+
 # ---------------------------------------------------------------- servers
 
 
@@ -530,7 +612,7 @@ def worker_targets(server: Any) -> list[str]:
 
 
 async def run_all(seconds: float, concurrencies: list[int], workers: list[int], slices: int,
-                  only: set[str] | None = None) -> dict[str, Any]:
+                  only: set[str] | None = None, native: bool = True) -> dict[str, Any]:
     from sciproto.processes import start_command, start_server
 
     cap = f"max_live_episodes={4 * max(concurrencies)}"
@@ -555,6 +637,14 @@ async def run_all(seconds: float, concurrencies: list[int], workers: list[int], 
             *(EnvClientPool(worker_targets(process), [psutil.Process(process.process.pid)],
                             name=f"env_client_{n}_workers") for n, process in scaled.items()),
         ]
+        if native:
+            systems += [
+                Native("transport_echo_native", "session_echo", [echo.target], [psutil.Process(echo.process.pid)]),
+                Native("session_native", "session", [ours.target], server),
+                Native("unary_native", "unary", [ours.target], server),
+                *(Native(f"session_native_{n}_workers", "session", worker_targets(process),
+                         [psutil.Process(process.process.pid)]) for n, process in scaled.items()),
+            ]
         if only:
             systems = [system for system in systems if system.name in only]
         progress(f"server pids: ours {ours.process.pid}, aviary {aviary.process.pid}, echo {echo.process.pid}")
@@ -617,7 +707,40 @@ def ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]
     for n in workers:
         if n > 1:
             out[f"env_client_{n}_workers_over_1_at_{high}"] = rate(f"env_client_{n}_workers", high) / rate("env_client", high)
+    if "session_native" in results:
+        out.update(native_ratios(results, concurrencies, workers))
     return {key: round(value, 3) for key, value in out.items()}
+
+
+def native_ratios(results: dict[str, Any], concurrencies: list[int], workers: list[int]) -> dict[str, float]:
+    """The rows of the native client: latency at one episode, unary against Session on the
+    server alone, and the scaling over worker processes; with the cores the server processes
+    used, which bound that scaling on this machine."""
+    def row(system: str, at: int) -> dict[str, Any]:
+        return results[system][str(at)]
+
+    low, high = min(concurrencies), max(concurrencies)
+    in_process_p50 = row("in_process", low)["step_p50_ms"]
+    out = {f"session_native_p50_over_in_process_p50_at_{low}": row("session_native", low)["step_p50_ms"] / in_process_p50,
+           f"echo_native_p50_over_in_process_p50_at_{low}":
+               row("transport_echo_native", low)["step_p50_ms"] / in_process_p50}
+    for at in concurrencies:
+        if at != low:
+            out[f"unary_native_over_session_native_at_{at}"] = (row("unary_native", at)["steps_per_s"]
+                                                                / row("session_native", at)["steps_per_s"])
+    single = row("session_native", high)
+    out[f"session_native_cores_at_{high}"] = single["server_cpu_cores"] + single["client_cpu_ms_per_step"] * single["steps_per_s"] / 1e3
+    for n in workers:
+        if n > 1:
+            out[f"session_native_{n}_workers_over_1_at_{high}"] = (row(f"session_native_{n}_workers", high)["steps_per_s"]
+                                                                  / single["steps_per_s"])
+            # The most n workers can reach on these cores, at the CPU per step (server and
+            # client) of the n-worker run itself.
+            scaled = row(f"session_native_{n}_workers", high)
+            cpu_per_step_s = (scaled["server_cpu_ms_per_step"] + scaled["client_cpu_ms_per_step"]) / 1e3
+            out[f"session_native_{n}_workers_over_1_bound_at_{high}"] = (
+                min(n, os.cpu_count() or 1) / cpu_per_step_s / single["steps_per_s"])
+    return out
 
 
 UNARY_CALLS_PER_STEP = 2  # reset, step, step, close: 4 calls (or stream messages) per 2 steps
@@ -648,9 +771,16 @@ def goals(ratio: dict[str, float], concurrencies: list[int], workers: list[int])
         "unary_and_env_client_within_15pct_of_session": all(
             ratio[f"{way}_over_session_at_{at}"] >= 0.85 for way in ("unary", "env_client") for at in many),
     }
+    native = f"session_native_p50_over_in_process_p50_at_{low}" in ratio
+    if native:  # with the best client each side has: the server's latency, not the client's
+        met["session_p50_within_2x_in_process"] = min(
+            ratio[f"session_p50_over_in_process_p50_at_{low}"], ratio[f"session_native_p50_over_in_process_p50_at_{low}"]) <= 2
     for n in workers:
         if n > 1:
-            met[f"{n}_workers_at_least_1.5x"] = ratio[f"env_client_{n}_workers_over_1_at_{high}"] >= 1.5
+            best = ratio[f"env_client_{n}_workers_over_1_at_{high}"]
+            if native:
+                best = max(best, ratio[f"session_native_{n}_workers_over_1_at_{high}"])
+            met[f"{n}_workers_at_least_1.5x"] = best >= 1.5
     return met
 
 
@@ -664,6 +794,8 @@ def main() -> None:
                         help="each point is measured in this many slices, the systems taking turns")
     parser.add_argument("--output", type=Path, help="also write the JSON report here")
     parser.add_argument("--systems", help="only these rows, comma-separated (no ratios): for profiling")
+    parser.add_argument("--no-native", action="store_true",
+                        help="leave out the rows of the native (C++) client, which needs a C++ toolchain and grpc++")
     parser.add_argument("--serve-aviary-http", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-transport-echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -675,14 +807,21 @@ def main() -> None:
         return
     concurrencies = sorted(int(c) for c in args.concurrency.split(","))
     workers = sorted(int(n) for n in args.workers.split(","))
+    not_run = {"nemo_gym": "every nemo-gym release on PyPI needs Python >= 3.12; this runs on "
+                           f"{sys.version_info.major}.{sys.version_info.minor}"}
+    native = not args.no_native
+    if native and (why := build_native()) is not None:
+        not_run["native_client"] = why
+        native = False
+        progress(f"not running the native client's rows: {why}")
     if args.systems:
         only = set(args.systems.split(","))
-        print(json.dumps(asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices, only)), indent=2))
+        print(json.dumps(asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices, only, native)), indent=2))
         return
     runs = []
     for repeat in range(args.repeat):
         progress(f"run {repeat + 1} of {args.repeat}")
-        results = asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices))
+        results = asyncio.run(run_all(args.seconds, concurrencies, workers, args.slices, native=native))
         ratio = ratios(results, concurrencies, workers)
         runs.append({"results": results, "ratios": ratio, "goals_met": goals(ratio, concurrencies, workers)})
     report = {
@@ -691,8 +830,7 @@ def main() -> None:
         "seconds_per_point": args.seconds,
         "slices_per_point": args.slices,
         "cpus": os.cpu_count(),
-        "not_run": {"nemo_gym": "every nemo-gym release on PyPI needs Python >= 3.12; this runs on "
-                                f"{sys.version_info.major}.{sys.version_info.minor}"},
+        "not_run": not_run,
         "runs": runs,
     }
     if len(runs) > 1:
