@@ -15,6 +15,12 @@ side by side in one run, each server in its own process:
   transport_echo a bare grpc.aio Session that answers every step with an empty response (the
                  transport's floor: no environment, no checks)
   unary_echo     the same server's bare unary Step: the floor of one RPC per operation
+  transport_echo_native, session_native, unary_native, session_native_N_workers
+                 the same episodes from bench/native/env_load, a C++ client on one thread
+                 polling a gRPC completion queue (built here with CMake on first use;
+                 `--no-native` leaves these rows out). It spends 0.06-0.14 ms of CPU per step
+                 where the Python clients spend 0.4-0.7, so on cores it shares with the server
+                 these rows show the server's own latency and scaling
 
 NeMo Gym's Aviary resources server is not run: every nemo-gym release on PyPI needs
 Python >= 3.12 (this project supports 3.11).
@@ -30,10 +36,16 @@ Prints JSON (to stdout, and `--output`) with the ratios of the goals:
 
   session steps/s / aviary_http steps/s           at 64 and 256   (goal >= 3)
   session steps/s / in_process steps/s            at 64 and 256   (goal >= 1)
-  session step p50 / in_process step p50          at 1            (goal <= 2), and the echo's
+  session step p50 / in_process step p50          at 1            (goal <= 2, with the Python
+                                                                   or the native client), and the echo's
   unary, env_client steps/s / session steps/s     at 64 and 256   (goal >= 0.85), and
   env_client_unary, session_per_episode / session  (for comparison)
-  2 workers / 1 worker env_client steps/s         at 256          (goal >= 1.5)
+  2 workers / 1 worker steps/s                    at 256          (goal >= 1.5, env_client or
+                                                                   session_native)
+
+With the native client, `session_native_cores_at_256` is the cores one worker and its client
+use together, and `session_native_N_workers_over_1_bound_at_256` the most N workers could reach
+on this machine's cores at the CPU per step (server and client) of the N-worker run itself.
 
 and where unary's extra CPU per step goes (`unary_cost_at_N`): an episode is 4 unary calls for
 2 steps where Session sends 4 stream messages, so grpc.aio's own price of a unary call over a
@@ -45,7 +57,7 @@ Each point is measured in `--slices` slices with the systems taking turns, so th
 a shared machine falls on all of them alike.
 
     python bench/env_step.py [--seconds 3] [--slices 3] [--concurrency 1,64,256] [--workers 1,2]
-                             [--repeat 1] [--output FILE]
+                             [--repeat 1] [--output FILE] [--no-native]
 """
 
 from __future__ import annotations
@@ -471,10 +483,9 @@ class UnaryEcho(System):
 
 
 class Native(System):
-    """bench/native/env_load (C++, gRPC's callback API) driving `mode` against `targets`: the
-    server measured by a client whose own CPU and thread hops are small beside the server's.
-    On these 2 cores the Python client's 0.5-0.7 ms of CPU per step is otherwise a large part of
-    what the latency and scaling figures measure."""
+    """bench/native/env_load (C++, one thread on a gRPC completion queue) driving `mode` against
+    `targets`, commanded over its stdin (it exits when that closes): the server measured by a
+    client whose own CPU and thread hops are small beside the server's."""
 
     def __init__(self, name: str, mode: str, targets: list[str], servers: list[psutil.Process]) -> None:
         self.name, self.mode, self.targets, self.servers = name, mode, targets, servers

@@ -1,8 +1,8 @@
 // A native gRPC load generator for bench/env_step.py: GSM8K episodes (reset, calculator step,
-// submit step, close) against an env server, from C++ so that the client's own CPU and thread
-// hops stay small beside the server's. Python's grpc.aio client spends 0.5-0.7 ms of CPU per
-// step; on a machine whose cores the client shares with the server, that client is what a
-// latency or scaling figure would measure.
+// submit step, close) against an env server, from C++ on one thread polling a gRPC completion
+// queue, so that the client's own CPU and thread hops stay small beside the server's. Python's
+// grpc.aio client spends 0.5-0.7 ms of CPU per step; on a machine whose cores the client shares
+// with the server, that client is what a latency or scaling figure would measure.
 //
 //   env_load MODE TARGET[,TARGET...] [--split test] [--tasks 50] [--expr "12 * 34 + 5"] [--answer 413]
 //
@@ -22,15 +22,13 @@
 #include <sys/resource.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <chrono>
-#include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -75,9 +73,25 @@ class RequestIds {
   std::atomic<unsigned long> counter_{0};
 };
 
+// ------------------------------------------------------------------ the completion queue
+
+// Every operation in flight names a Tag. The one thread that runs the episodes takes each
+// finished operation off the completion queue and calls its tag, so no other thread touches
+// episode state and nothing here takes a lock (and no reply waits for a thread to wake).
+struct Tag {
+  virtual ~Tag() = default;
+  virtual void Done(bool ok) = 0;
+};
+
+// A tag calling a function: a stream's own operations, one tag reused for every read or write.
+struct FunctionTag : Tag {
+  std::function<void(bool)> on_done;
+  void Done(bool ok) override { on_done(ok); }
+};
+
 // ------------------------------------------------------------------ one run of episode loops
 
-// What one `run` command records. Loops end by calling Finish; the runner waits for all.
+// What one `run` command records; each loop calls Finish when it starts no more episodes.
 class Run {
  public:
   Run(unsigned loops, double seconds, unsigned episodes_per_loop)
@@ -86,35 +100,22 @@ class Run {
 
   // Whether loop `loop` starts another episode.
   bool Continues(unsigned loop) const {
-    if (failed_.load()) return false;
-    if (episodes_per_loop_ != 0 && episodes_[loop] >= episodes_per_loop_) return false;
-    return episodes_per_loop_ != 0 || Clock::now() < stop_at_;
+    if (!error_.empty()) return false;
+    if (episodes_per_loop_ != 0) return episodes_[loop] < episodes_per_loop_;
+    return Clock::now() < stop_at_;
   }
 
   void Step(unsigned loop, Clock::time_point started) {
     latencies_[loop].push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - started).count());
   }
   void Episode(unsigned loop) { ++episodes_[loop]; }
-
   void Fail(const std::string& error) {
-    std::lock_guard<std::mutex> lock(mutex_);
     if (error_.empty()) error_ = error;
-    failed_.store(true);
   }
+  void Finish() { --running_; }
+  bool Running() const { return running_ > 0; }
 
-  void Finish() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--running_ == 0) finished_.notify_all();
-  }
-
-  // Waits for every loop; false if they are not done within kRunDeadline.
-  bool Wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    return finished_.wait_for(lock, kRunDeadline, [this] { return running_ == 0; });
-  }
-
-  std::string Json(double elapsed_s, double cpu_s) {
-    std::lock_guard<std::mutex> lock(mutex_);
+  std::string Json(double elapsed_s, double cpu_s) const {
     std::ostringstream out;
     if (!error_.empty()) {
       std::string escaped;
@@ -143,13 +144,8 @@ class Run {
  private:
   const Clock::time_point stop_at_;
   const unsigned episodes_per_loop_;
-  std::mutex mutex_;
-  std::condition_variable finished_;
   unsigned running_;
   std::string error_;
-  std::atomic<bool> failed_{false};
-  // Each loop has one operation in flight at a time, so its slots are touched by one callback
-  // at a time; the runner reads them after Wait(), whose mutex orders the accesses.
   std::vector<std::vector<long long>> latencies_;
   std::vector<unsigned long> episodes_;
 };
@@ -157,108 +153,126 @@ class Run {
 // ------------------------------------------------------------------ Session streams
 
 // One Session stream: requests written in order, one write in flight at a time (as gRPC
-// allows); each answer is handed to the callback of its request_id.
-class Stream : public grpc::ClientBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+// allows); each answer is handed to the callback of its request_id. When the stream ends,
+// every request still waiting is answered with an error.
+class Stream {
  public:
   using Callback = std::function<void(const v1::SessionResponse&)>;
 
-  explicit Stream(v1::EnvironmentService::Stub* stub) {
-    stub->async()->Session(&context_, this);
-    StartRead(&answer_);
-    StartCall();
+  Stream(v1::EnvironmentService::Stub* stub, grpc::CompletionQueue* queue) {
+    started_.on_done = [this](bool ok) {
+      if (!ok) return End();
+      live_ = true;
+      call_->Read(&answer_, &read_);
+      WriteNext();
+    };
+    read_.on_done = [this](bool ok) { OnRead(ok); };
+    written_.on_done = [this](bool ok) {
+      writing_ = false;
+      if (!ok) return;  // the stream broke: the pending read fails too, and ends it
+      if (!queue_.empty()) queue_.pop_front();
+      WriteNext();
+    };
+    finished_.on_done = [this](bool) { OnFinished(); };
+    call_ = stub->PrepareAsyncSession(&context_, queue);
+    call_->StartCall(&started_);
   }
 
   void Send(v1::SessionRequest request, const std::string& request_id, Callback callback) {
-    v1::SessionRequest* first = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      waiting_.emplace(request_id, std::move(callback));
-      queue_.push_back(std::move(request));  // deque: the message in flight keeps its address
-      if (!writing_) {
-        writing_ = true;
-        first = &queue_.front();
-      }
-    }
-    if (first != nullptr) StartWrite(first);  // never under our lock: a reaction may run inline
+    if (ended_) return callback(EndedAnswer());
+    waiting_.emplace(request_id, std::move(callback));
+    queue_.push_back(std::move(request));  // deque: the message being written keeps its address
+    WriteNext();
   }
 
-  void OnWriteDone(bool ok) override {
-    if (!ok) return;  // the stream is broken; OnDone reports it
-    v1::SessionRequest* next = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.pop_front();
-      if (queue_.empty()) {
-        writing_ = false;
-      } else {
-        next = &queue_.front();
-      }
-    }
-    if (next != nullptr) StartWrite(next);
+  // Half-close once every queued request is written; the server then ends the stream.
+  void HalfClose() {
+    closing_ = true;
+    WriteNext();
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok) return;
-    if (answer_.result_case() != v1::SessionResponse::kHeartbeat) {
-      Callback callback;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto found = waiting_.find(answer_.request_id());
-        if (found != waiting_.end()) {
-          callback = std::move(found->second);
-          waiting_.erase(found);
-        }
-      }
-      if (callback) {
-        callback(answer_);
-      } else {
-        std::cerr << "env_load: an answer to no request: " << answer_.request_id() << std::endl;
-      }
-    }
-    StartRead(&answer_);
-  }
-
-  // The stream ended: every request still waiting is answered with its status as an error.
-  void OnDone(const grpc::Status& status) override {
-    std::unordered_map<std::string, Callback> orphans;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      status_ = status;
-      done_ = true;
-      orphans.swap(waiting_);
-      ended_.notify_all();
-    }
-    v1::SessionResponse ended;
-    ended.mutable_error()->set_code(status.ok() ? static_cast<int>(grpc::StatusCode::ABORTED) : status.error_code());
-    ended.mutable_error()->set_message("the Session stream ended: " + status.error_message());
-    for (auto& [id, callback] : orphans) callback(ended);
-  }
-
-  // Half-closes and waits for the server to end the stream; its status.
-  grpc::Status Close() {
-    StartWritesDone();
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!ended_.wait_for(lock, std::chrono::seconds(30), [this] { return done_; })) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the Session stream did not end within 30 s");
-    }
-    return status_;
-  }
-
-  bool Ended() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
+  bool Ended() const { return ended_; }
+  const grpc::Status& status() const { return status_; }
 
  private:
+  void WriteNext() {
+    if (!live_ || writing_ || ended_) return;
+    if (!queue_.empty()) {
+      writing_ = true;
+      call_->Write(queue_.front(), &written_);
+    } else if (closing_ && !half_closed_) {
+      half_closed_ = writing_ = true;
+      call_->WritesDone(&written_);
+    }
+  }
+
+  void OnRead(bool ok) {
+    if (!ok) return End();  // nothing more to read: the server ended the stream, or it broke
+    if (answer_.result_case() != v1::SessionResponse::kHeartbeat) {
+      auto found = waiting_.find(answer_.request_id());
+      if (found == waiting_.end()) {
+        std::cerr << "env_load: an answer to no request: " << answer_.request_id() << std::endl;
+      } else {
+        Callback callback = std::move(found->second);
+        waiting_.erase(found);
+        callback(answer_);  // may Send: a write, never a read, so answer_ is still ours
+      }
+    }
+    call_->Read(&answer_, &read_);
+  }
+
+  void End() {
+    if (finishing_) return;
+    finishing_ = true;
+    call_->Finish(&status_, &finished_);
+  }
+
+  void OnFinished() {
+    ended_ = true;
+    queue_.clear();
+    std::unordered_map<std::string, Callback> orphans;
+    orphans.swap(waiting_);
+    for (auto& [id, callback] : orphans) callback(EndedAnswer());
+  }
+
+  v1::SessionResponse EndedAnswer() const {
+    v1::SessionResponse ended;
+    ended.mutable_error()->set_code(status_.ok() ? static_cast<int>(grpc::StatusCode::ABORTED)
+                                                 : static_cast<int>(status_.error_code()));
+    ended.mutable_error()->set_message("the Session stream ended: " + status_.error_message());
+    return ended;
+  }
+
   grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::SessionRequest, v1::SessionResponse>> call_;
+  FunctionTag started_, read_, written_, finished_;
   v1::SessionResponse answer_;
-  std::mutex mutex_;
-  std::condition_variable ended_;
   std::deque<v1::SessionRequest> queue_;
-  bool writing_ = false;
   std::unordered_map<std::string, Callback> waiting_;
-  bool done_ = false;
+  bool live_ = false, writing_ = false, closing_ = false, half_closed_ = false, finishing_ = false,
+       ended_ = false;
   grpc::Status status_;
+};
+
+// One unary call in flight: it deletes itself when its answer (or its error) has been handled.
+template <typename Response>
+struct UnaryCall : Tag {
+  const char* method = "";
+  grpc::ClientContext context;
+  Response response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> reader;
+  std::function<void(const Response&)> done;
+  std::function<void(const std::string&)> fail;
+
+  void Done(bool) override {
+    std::unique_ptr<UnaryCall> self(this);
+    if (!status.ok()) {
+      return fail(std::string(method) + " failed: " + sciproto::StatusCodeName(status.error_code()) + ": " +
+                  status.error_message());
+    }
+    done(response);
+  }
 };
 
 // ------------------------------------------------------------------ the episodes
@@ -272,7 +286,15 @@ class Load {
       stubs_.push_back(v1::EnvironmentService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())));
     }
     if (options_.mode != "unary") {
-      for (auto& stub : stubs_) streams_.push_back(std::make_unique<Stream>(stub.get()));
+      for (auto& stub : stubs_) streams_.push_back(std::make_unique<Stream>(stub.get(), &queue_));
+    }
+  }
+
+  ~Load() {
+    queue_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (queue_.Next(&tag, &ok)) {
     }
   }
 
@@ -284,7 +306,8 @@ class Load {
     const double cpu_before = CpuSeconds();
     const auto started = Clock::now();
     for (unsigned loop = 0; loop < concurrency; ++loop) NextEpisode(run, loop, concurrency, loop);
-    if (!run.Wait()) {  // callbacks still hold `run`: end the process rather than free it under them
+    if (!Pump([&run] { return !run.Running(); }, started + kRunDeadline)) {
+      // Operations still name `run`: end the process rather than free it under them.
       std::cout << "{\"error\": \"the episode loops did not finish within 600 s\"}" << std::endl;
       std::exit(1);
     }
@@ -292,14 +315,38 @@ class Load {
     return run.Json(elapsed, CpuSeconds() - cpu_before);
   }
 
+  // Half-closes every stream and waits (30 s at most) for the server to end them.
   void Close() {
+    for (auto& stream : streams_) stream->HalfClose();
+    const bool ended = Pump([this] {
+      for (auto& stream : streams_) {
+        if (!stream->Ended()) return false;
+      }
+      return true;
+    }, Clock::now() + std::chrono::seconds(30));
+    if (!ended) std::cerr << "env_load: a Session stream did not end within 30 s" << std::endl;
     for (auto& stream : streams_) {
-      const auto status = stream->Close();
-      if (!status.ok()) std::cerr << "env_load: Session ended with " << status.error_message() << std::endl;
+      if (stream->Ended() && !stream->status().ok()) {
+        std::cerr << "env_load: Session ended with " << stream->status().error_message() << std::endl;
+      }
     }
   }
 
  private:
+  // Handles finished operations until `done()` holds; false if `deadline` comes first.
+  template <typename Predicate>
+  bool Pump(Predicate done, Clock::time_point deadline) {
+    while (!done()) {
+      void* tag = nullptr;
+      bool ok = false;
+      const auto wait = std::chrono::system_clock::now() + (deadline - Clock::now());
+      const auto status = queue_.AsyncNext(&tag, &ok, wait);
+      if (status != grpc::CompletionQueue::GOT_EVENT) return false;
+      static_cast<Tag*>(tag)->Done(ok);
+    }
+    return true;
+  }
+
   void NextEpisode(Run& run, unsigned loop, unsigned concurrency, unsigned index) {
     if (!run.Continues(loop)) {
       run.Finish();
@@ -309,7 +356,7 @@ class Load {
       run.Episode(loop);
       NextEpisode(run, loop, concurrency, index + concurrency);
     };
-    auto fail = [&run, loop](const std::string& error) {
+    auto fail = [&run](const std::string& error) {
       run.Fail(error);
       run.Finish();
     };
@@ -320,7 +367,7 @@ class Load {
     }
   }
 
-  v1::ResetRequest Reset(unsigned index) {
+  v1::ResetRequest ResetOf(unsigned index) {
     v1::ResetRequest reset;
     reset.set_request_id(ids_.Next());
     reset.set_env("gsm8k");
@@ -356,7 +403,8 @@ class Load {
     return std::string(operation) + " got an answer of another kind";
   }
 
-  // Reset, calculator step, submit step, close; each sent when the answer before it arrives.
+  // Reset, calculator step, submit step, close on the episode's stream, each sent when the
+  // answer before it arrives; the two steps are timed.
   void StreamEpisode(Run& run, unsigned loop, unsigned index, Next next, Fail fail) {
     Stream* stream = streams_[index % streams_.size()].get();
     const bool echo = options_.mode == "session_echo";
@@ -394,7 +442,7 @@ class Load {
     };
     if (echo) return steps("echo");
     v1::SessionRequest request;
-    *request.mutable_reset() = Reset(index);
+    *request.mutable_reset() = ResetOf(index);
     const std::string id = request.reset().request_id();
     stream->Send(std::move(request), id, [steps, fail](const v1::SessionResponse& answer) {
       if (answer.result_case() != v1::SessionResponse::kReset) return fail(ErrorOf("Reset", answer));
@@ -402,52 +450,38 @@ class Load {
     });
   }
 
-  // One unary call; `done` gets the response if the call succeeded.
-  template <typename Request, typename Response, typename Method>
-  void Call(const char* name, Method method, Request request, std::function<void(const Response&)> done, Fail fail) {
-    struct Pending {
-      grpc::ClientContext context;
-      Request request;
-      Response response;
-    };
-    auto pending = std::make_shared<Pending>();
-    pending->request = std::move(request);
-    pending->context.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
-    auto* stub = stubs_[0]->async();
-    (stub->*method)(&pending->context, &pending->request, &pending->response,
-                    [pending, name, done, fail](grpc::Status status) {
-      if (!status.ok()) {
-        return fail(std::string(name) + " failed: " + sciproto::StatusCodeName(status.error_code()) + ": " +
-                    status.error_message());
-      }
-      done(pending->response);
-    });
+  // One unary call through `prepare` (the stub's PrepareAsync<Method>), with its deadline.
+  template <typename Response, typename Prepare>
+  void Call(const char* method, Prepare prepare, std::function<void(const Response&)> done, Fail fail) {
+    auto* call = new UnaryCall<Response>();
+    call->method = method;
+    call->done = std::move(done);
+    call->fail = std::move(fail);
+    call->context.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+    call->reader = prepare(&call->context);
+    call->reader->StartCall();
+    call->reader->Finish(&call->response, &call->status, call);
   }
 
   void UnaryEpisode(Run& run, unsigned loop, unsigned index, Next next, Fail fail) {
-    using Async = v1::EnvironmentService::Stub::async_interface;
-    using StepMethod = void (Async::*)(grpc::ClientContext*, const v1::StepRequest*, v1::StepResponse*,
-                                       std::function<void(grpc::Status)>);
-    using ResetMethod = void (Async::*)(grpc::ClientContext*, const v1::ResetRequest*, v1::ResetResponse*,
-                                        std::function<void(grpc::Status)>);
-    using CloseMethod = void (Async::*)(grpc::ClientContext*, const v1::CloseRequest*, v1::CloseResponse*,
-                                        std::function<void(grpc::Status)>);
-    const StepMethod step = &Async::Step;
-    const ResetMethod reset = &Async::Reset;
-    const CloseMethod close = &Async::Close;
-    auto closing = [this, close, next, fail](const std::string& episode_id) {
-      Call<v1::CloseRequest, v1::CloseResponse>("Close", close, CloseOf(episode_id),
-                                                [next](const v1::CloseResponse&) { next(); }, fail);
+    auto* stub = stubs_[index % stubs_.size()].get();
+    auto closing = [this, stub, next, fail](const std::string& episode_id) {
+      const auto request = CloseOf(episode_id);
+      Call<v1::CloseResponse>(
+          "Close", [this, stub, &request](grpc::ClientContext* c) { return stub->PrepareAsyncClose(c, request, &queue_); },
+          [next](const v1::CloseResponse&) { next(); }, fail);
     };
-    auto steps = [this, &run, loop, step, closing, fail](const std::string& episode_id) {
+    auto steps = [this, &run, loop, stub, closing, fail](const std::string& episode_id) {
+      const auto calculate = StepOf(episode_id, calculate_);
       const auto started = Clock::now();
-      Call<v1::StepRequest, v1::StepResponse>(
-          "Step", step, StepOf(episode_id, calculate_),
-          [this, &run, loop, step, closing, fail, episode_id, started](const v1::StepResponse&) {
+      Call<v1::StepResponse>(
+          "Step", [this, stub, &calculate](grpc::ClientContext* c) { return stub->PrepareAsyncStep(c, calculate, &queue_); },
+          [this, &run, loop, stub, closing, fail, episode_id, started](const v1::StepResponse&) {
             run.Step(loop, started);
+            const auto submit = StepOf(episode_id, submit_);
             const auto submitted = Clock::now();
-            Call<v1::StepRequest, v1::StepResponse>(
-                "Step", step, StepOf(episode_id, submit_),
+            Call<v1::StepResponse>(
+                "Step", [this, stub, &submit](grpc::ClientContext* c) { return stub->PrepareAsyncStep(c, submit, &queue_); },
                 [&run, loop, closing, fail, episode_id, submitted](const v1::StepResponse& answer) {
                   run.Step(loop, submitted);
                   if (!answer.terminated()) return fail("submit_answer did not end the gsm8k episode");
@@ -457,12 +491,14 @@ class Load {
           },
           fail);
     };
-    Call<v1::ResetRequest, v1::ResetResponse>("Reset", reset, Reset(index),
-                                              [steps](const v1::ResetResponse& answer) { steps(answer.episode_id()); },
-                                              fail);
+    const auto reset = ResetOf(index);
+    Call<v1::ResetResponse>(
+        "Reset", [this, stub, &reset](grpc::ClientContext* c) { return stub->PrepareAsyncReset(c, reset, &queue_); },
+        [steps](const v1::ResetResponse& answer) { steps(answer.episode_id()); }, fail);
   }
 
   Options options_;
+  grpc::CompletionQueue queue_;  // before the streams, which name it
   RequestIds ids_;
   v1::ChatMessage calculate_, submit_;
   std::vector<std::unique_ptr<v1::EnvironmentService::Stub>> stubs_;
