@@ -18,7 +18,8 @@
 //      -> {"error": "..."}                                                  (any failed operation)
 //   quit
 // Episode loop w runs problems w, w + CONCURRENCY, ... (mod --tasks), as the bench's Python loops.
-// Every call and every wait has a deadline; exits 1 on a broken stream, 2 on bad usage.
+// Every call and every wait has a deadline; a failed operation is an {"error"} answer (the
+// process goes on), a run past its 600 s deadline exits 1, bad usage exits 2.
 #include <sys/resource.h>
 
 #include <atomic>
