@@ -168,10 +168,12 @@ class System:
         the client's CPU seconds."""
         stop_at = time.perf_counter() + seconds
 
+        def more(count: int) -> bool:
+            return count < episodes_per_loop if episodes_per_loop else time.perf_counter() < stop_at
+
         async def loop(worker: int) -> None:
             for count, index in enumerate(itertools.count(worker, concurrency)):
-                if (episodes_per_loop and count >= episodes_per_loop
-                        or not episodes_per_loop and time.perf_counter() >= stop_at):
+                if not more(count):
                     return
                 await self.episode(index, window)
 

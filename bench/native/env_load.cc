@@ -191,6 +191,9 @@ class Stream {
     WriteNext();
   }
 
+  // Ends the call from this side: its pending operations complete, failed, and it finishes.
+  void Cancel() { context_.TryCancel(); }
+
   bool Ended() const { return ended_; }
   const grpc::Status& status() const { return status_; }
 
@@ -315,16 +318,25 @@ class Load {
     return run.Json(elapsed, CpuSeconds() - cpu_before);
   }
 
-  // Half-closes every stream and waits (30 s at most) for the server to end them.
+  // Half-closes every stream and waits (30 s at most) for the server to end them; a stream it
+  // does not end is cancelled, so that no operation is left pending on the queue (its drain,
+  // in ~Load, would wait for it forever).
   void Close() {
     for (auto& stream : streams_) stream->HalfClose();
-    const bool ended = Pump([this] {
+    auto all_ended = [this] {
       for (auto& stream : streams_) {
         if (!stream->Ended()) return false;
       }
       return true;
-    }, Clock::now() + std::chrono::seconds(30));
-    if (!ended) std::cerr << "env_load: a Session stream did not end within 30 s" << std::endl;
+    };
+    if (!Pump(all_ended, Clock::now() + std::chrono::seconds(30))) {
+      std::cerr << "env_load: a Session stream did not end within 30 s after its half-close; cancelling it"
+                << std::endl;
+      for (auto& stream : streams_) {
+        if (!stream->Ended()) stream->Cancel();
+      }
+      if (!Pump(all_ended, Clock::now() + std::chrono::seconds(5))) std::exit(1);
+    }
     for (auto& stream : streams_) {
       if (stream->Ended() && !stream->status().ok()) {
         std::cerr << "env_load: Session ended with " << stream->status().error_message() << std::endl;
