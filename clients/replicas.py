@@ -173,10 +173,16 @@ class ReplicaPool(Generic[ClientT]):
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
     async def aclose(self) -> None:
+        """Stop the probes, let each client end what it holds open (an EnvClient ends its Session
+        stream, and the server closes the stream's episodes before it ends: closing the channel
+        first would cancel the stream and leave that cleanup to race the caller's next call), then
+        close the channels."""
         probes = [replica.probe for replica in self.replicas if replica.probe is not None]
         for probe in probes:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
+        endings = [end() for replica in self.replicas if (end := getattr(replica.client, "aclose", None)) is not None]
+        await asyncio.gather(*endings)
         await asyncio.gather(*(replica.channel.close() for replica in self.replicas))
 
     async def __aenter__(self) -> ReplicaPool[ClientT]:

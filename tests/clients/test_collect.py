@@ -151,6 +151,20 @@ async def test_cancelled_collection_closes_its_episodes(env_server, policy_serve
     assert (await env_counters(env_server.target)).live_episodes == live_before
 
 
+async def test_a_closed_env_pool_has_ended_its_streams_and_the_server_closed_their_episodes(spawn_env) -> None:
+    """Leaving env_pool ends each replica's Session stream as the protocol says, and waits for it:
+    the server closes the episodes opened on it before the stream ends, so a call made right
+    after the pool is closed finds them closed (a cancelled stream would leave that to a race)."""
+    server = await asyncio.to_thread(spawn_env)
+    async with EnvClient(server.target) as watcher:
+        await watcher.describe(timeout=10)  # connected before the first pool closes
+        for _ in range(40):
+            async with env_pool([server.target]) as env:
+                client = env.replicas[0].client
+                await asyncio.gather(*(client.reset("toy", split="test", index=i) for i in range(10)))
+            assert (await watcher.describe(timeout=10)).counters.live_episodes == 0
+
+
 async def test_two_env_replicas_share_the_load_and_survive_one_killed(spawn_env, policy_server) -> None:
     first, second = await asyncio.gather(asyncio.to_thread(spawn_env), asyncio.to_thread(spawn_env))
     config = load_config(CollectConfig, None, FAST)
