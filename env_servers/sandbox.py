@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -146,6 +146,8 @@ def _read_only_paths() -> list[Path]:
                                                "localtime", "fonts", "mime.types")]
     paths += [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
     paths += [Path(p).resolve() for p in site.getsitepackages()]
+    # Site-packages in use that are not the installation's own (named by a .pth file, say).
+    paths += [Path(p).resolve() for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
     kept: list[Path] = []
     for path in paths:
         if path.exists() and not any(path.is_relative_to(k) for k in kept if not k.is_symlink()):
@@ -166,12 +168,39 @@ def _bind_flags(path: Path, *, rw: bool = False) -> list[str]:
     return [*flags, "--bind" if rw else "--ro-bind", str(path), str(path)]
 
 
+STDERR_KEPT_BYTES = 4096  # the end of a command's stderr kept to say why it failed
+
+
 @dataclass
 class SandboxedProcess:
     """A command running in a sandbox (its bwrap process leads a process group of its own)."""
 
     process: asyncio.subprocess.Process
     sandboxed: bool
+    _stderr: bytearray = field(default_factory=bytearray)  # the last STDERR_KEPT_BYTES of it
+    _stderr_reader: asyncio.Task[None] | None = None
+
+    def keep_stderr(self) -> None:
+        """Read the command's stderr (a pipe) as it comes, keeping its end for `stderr_tail`."""
+        stream = self.process.stderr
+        if stream is None or self._stderr_reader is not None:
+            return
+
+        async def read() -> None:
+            while chunk := await stream.read(65536):
+                self._stderr += chunk
+                del self._stderr[:-STDERR_KEPT_BYTES]
+
+        self._stderr_reader = asyncio.get_running_loop().create_task(read())
+
+    async def stderr_tail(self, lines: int = 12, wait_s: float = 2.0) -> str:
+        """The last `lines` lines the command wrote to stderr (after waiting up to `wait_s` for
+        the rest of it, once the command has ended); empty when it was not kept."""
+        if self._stderr_reader is not None and not self.alive:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._stderr_reader), wait_s)
+        text = self._stderr.decode(errors="replace").strip()
+        return "\n".join(text.splitlines()[-lines:])
 
     @property
     def alive(self) -> bool:
@@ -206,6 +235,10 @@ class SandboxedProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT_S)
+        if self._stderr_reader is not None and not self._stderr_reader.done():
+            self._stderr_reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stderr_reader
 
 
 def _descendants(root: int) -> list[int]:
@@ -262,10 +295,12 @@ class Sandbox:
             return list(argv)
         limits = self.limits
         flags = [self.bwrap, *_namespace_flags(network=limits.network)]
-        for path in _read_only_paths():
-            flags += _bind_flags(path)
+        # The private /tmp first, then what is bound into the sandbox: a Python installation or
+        # virtual environment under the host's /tmp stays visible, bound over the private one.
         flags += ["--proc", "/proc", "--dev", "/dev",
                   "--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        for path in _read_only_paths():
+            flags += _bind_flags(path)
         for path in (self.workspace, self.runtime_dir):
             flags += [*_bind_flags(path, rw=True)]
         flags += ["--chdir", str(self.workspace), "--clearenv"]
@@ -287,9 +322,11 @@ class Sandbox:
             "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         }
 
-    async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> SandboxedProcess:
+    async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+                    keep_stderr: bool = False) -> SandboxedProcess:
         """Start `argv` in a new sandbox, in the workspace, with a clean environment plus `env`.
-        Its output goes to the server's log only through the caller (stdout/stderr are dropped)."""
+        Its stdout is dropped; so is its stderr, unless `keep_stderr`: then its end is kept for
+        `SandboxedProcess.stderr_tail` (to say why the command failed)."""
         command = self.command(argv, env)
         if self.bwrap is None:
             environment = {**os.environ, **self._environment(), **(env or {})}
@@ -299,8 +336,11 @@ class Sandbox:
             environment = {}
         process = await asyncio.create_subprocess_exec(
             *command, cwd=self.workspace, env=environment, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        return SandboxedProcess(process, sandboxed=self.bwrap is not None)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if keep_stderr else subprocess.DEVNULL,
+            start_new_session=True)
+        started = SandboxedProcess(process, sandboxed=self.bwrap is not None)
+        started.keep_stderr()
+        return started
 
     def workspace_bytes(self) -> int:
         """What the workspace holds now (apparent sizes of its files)."""

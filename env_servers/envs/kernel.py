@@ -67,7 +67,7 @@ class SandboxedKernel:
             key=secrets.token_hex(32).encode(), kernel_name="python3")
         if sandbox.uid >= 0:
             os.chown(path, sandbox.uid, sandbox.uid)
-        process = await sandbox.start([sandbox_python(), "-m", "ipykernel_launcher", "-f", path])
+        process = await sandbox.start([sandbox_python(), "-m", "ipykernel_launcher", "-f", path], keep_stderr=True)
         # A context of its own, closed with the kernel, whose sockets never linger: a context
         # left to the garbage collector with sockets open blocks its thread in term().
         context = zmq.asyncio.Context()
@@ -89,7 +89,9 @@ class SandboxedKernel:
         late joiner, which would leave the first cell waiting for output already sent)."""
         while True:
             if not self.process.alive:
-                raise RuntimeError(f"the kernel exited with status {self.process.returncode} before it was ready")
+                said = await self.process.stderr_tail()
+                raise RuntimeError(f"the kernel exited with status {self.process.returncode} before it was ready"
+                                   + (f"; the end of its stderr:\n{said}" if said else " (it wrote nothing to stderr)"))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the kernel did not answer within {KERNEL_READY_TIMEOUT_S:g} s")
             msg_id = self.client.kernel_info()

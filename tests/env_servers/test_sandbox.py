@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -17,11 +18,11 @@ from pathlib import Path
 import pytest
 from aviary.core import ToolCall, ToolRequestMessage
 
-from clients.env_client import EnvClient
+from clients.env_client import EnvClient, tool_calls_action
 from env_servers.catalog import load_source
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
-from sciproto.processes import ServerProcess, sciproto_command
+from sciproto.processes import ServerProcess, sciproto_command, start_command
 from tests.conftest import BWRAP_PROBLEM
 from tests.env_servers.conftest import serve_env
 
@@ -209,3 +210,54 @@ async def test_sandbox_none_is_a_warning_at_start_and_shown_in_describe(unsandbo
     description = {env.name: env.description for env in described.environments}["notebook"]
     assert "sandbox: none" in description and "unsandboxed" in description
     assert any("sandbox: none: agent code runs unsandboxed" in line for line in unsandboxed_server.output)
+
+
+def _venv_under_tmp(root: Path) -> Path:
+    """A virtual environment under /tmp (as on CI runners) whose packages are this one's: a
+    .pth file names this interpreter's site-packages. Returns its python."""
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-c", "import sys, venv; venv.create(sys.argv[1], with_pip=False)", str(venv)],
+                   env={**os.environ, "PATH": str(Path(sys.base_prefix) / "bin") + ":" + os.environ["PATH"]},
+                   check=True, timeout=120)
+    python = venv / "bin" / "python"
+    target = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    repo = Path(__file__).resolve().parents[2]
+    (Path(target) / "ours.pth").write_text("\n".join([*ours, str(repo)]) + "\n")
+    return python
+
+
+@needs_bwrap
+async def test_a_server_running_from_a_venv_under_tmp_resets_sandboxed_notebook_episodes() -> None:
+    root = Path(tempfile.mkdtemp(prefix="sciproto-venv-test-", dir="/tmp"))
+    try:
+        python = _venv_under_tmp(root)
+        assert str(python).startswith("/tmp/")
+        server = start_command([str(python), "-m", "sciproto", "serve", "env", "--env", "notebook",
+                                "--port", "0"], timeout_s=120)
+        try:
+            async with EnvClient(server.target) as client:
+                reset = await client.reset("notebook", split="test", index=0, timeout=120)
+                step = await client.step(reset.episode_id, tool_calls_action(("edit_cell", {"contents": "print(6 * 7)"})),
+                                         timeout=120)
+                await client.close(reset.episode_id)
+        finally:
+            server.stop(grace_s=15)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert "42" in "\n".join(message.content for message in step.observations)
+
+
+@needs_bwrap
+async def test_a_kernel_that_exits_before_it_is_ready_says_why(workspace: Path) -> None:
+    sandbox = Sandbox(workspace, SandboxLimits())
+    # An interpreter with a module that fails at import in place of ipykernel_launcher.
+    (workspace / "ipykernel_launcher.py").write_text("raise SystemExit('no kernel here: ' + 'broken on purpose')\n")
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            await SandboxedKernel.start(sandbox)
+    finally:
+        sandbox.remove()
+    assert "before it was ready" in str(raised.value)
+    assert "no kernel here: broken on purpose" in str(raised.value), str(raised.value)
