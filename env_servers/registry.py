@@ -167,6 +167,11 @@ class EpisodeRegistry:
     def live(self) -> int:
         return len(self._episodes)
 
+    @property
+    def opening(self) -> int:
+        """Resets and Forks admitted and not yet registered."""
+        return self._opening
+
     def start(self) -> None:
         """Start expiring idle episodes (needs a running event loop)."""
         if self._sweeper is None:

@@ -35,13 +35,14 @@ import signal
 import site
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from env_servers import scratch
 
 log = logging.getLogger("env_servers.sandbox")
 
@@ -282,12 +283,18 @@ class Sandbox:
         self.limits = limits
         self.mode = mode
         self.bwrap = bwrap_path() if mode == "bwrap" else None
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix="sciproto-run-"))
+        self.runtime_dir = scratch.mkdtemp("sciproto-run-")
         # As root, the sandbox's own user id owns what it may write.
         self.uid = UID_BASE + secrets.randbelow(UID_SPAN) if mode == "bwrap" and _running_as_root() else -1
         if self.uid >= 0:
             for path in (self.runtime_dir, self.workspace):
                 _chown_tree(path, self.uid)
+
+    def own_workspace(self) -> None:
+        """Give what was put in the workspace since the sandbox was made to the sandbox's own
+        user id (where it has one), so that its commands may change it."""
+        if self.uid >= 0:
+            _chown_tree(self.workspace, self.uid)
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
         """The full command line that runs `argv` in this sandbox (mode "none": `argv` itself)."""

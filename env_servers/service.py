@@ -56,6 +56,14 @@ _FORK_MODES = {FORK_COPY: env_pb2.FORK_MODE_COPY, FORK_REPLAY: env_pb2.FORK_MODE
                FORK_UNSUPPORTED: env_pb2.FORK_MODE_UNSUPPORTED}
 
 
+def _warm_pool(source: EnvironmentSource) -> env_pb2.WarmPool | None:
+    stats = source.pool_stats()
+    if stats is None:
+        return None
+    return env_pb2.WarmPool(size=stats.size, warm=stats.warm, starting=stats.starting, hits=stats.hits,
+                            misses=stats.misses, replaced=stats.replaced, preload=stats.preload)
+
+
 def _counts_errors(operation: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
     """Count every call of `operation` that ends in an error in the registry's counters."""
 
@@ -92,9 +100,20 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
 
     def start(self) -> None:
         self.registry.start()
+        for source in self.sources.values():
+            source.start(self._room)
+
+    def _room(self) -> int:
+        """Episodes the server may still open: what resources started ahead count against."""
+        return self.config.max_live_episodes - self.registry.live - self.registry.opening
 
     async def aclose(self) -> None:
         await self.registry.aclose()
+        for source in self.sources.values():
+            try:
+                await source.aclose()
+            except Exception:
+                log.warning("closing environment %s failed", source.name, exc_info=True)
 
     # ------------------------------------------------------------ operations
 
@@ -106,7 +125,8 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
                 provenance=self._provenance(name), fork=_FORK_MODES[source.fork_mode],
                 splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
-                        for split, size in self.splits[name].items()])
+                        for split, size in self.splits[name].items()],
+                warm_pool=_warm_pool(source))
             for name, source in self.sources.items()
         ]
         counters = self.registry.counters

@@ -21,6 +21,7 @@ import os
 import queue
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +105,42 @@ class SandboxedKernel:
             except queue.Empty:
                 continue
 
-    async def run_cell(self, source: str, limits: CellLimits) -> CellResult:
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether the kernel is alive and answers a kernel_info request within `timeout_s`."""
+        if not self.process.alive:
+            return False
+        msg_id = self.client.kernel_info()
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self.process.alive:
+            try:
+                reply = await self.client.get_shell_msg(timeout=min(left, POLL_S))
+            except queue.Empty:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return True
+        return False
+
+    async def import_modules(self, modules: Sequence[str], limits: CellLimits) -> None:
+        """Import `modules` ahead of the first cell, leaving no name behind in the user's namespace
+        and no entry in the history (the first cell is still In [1]); RuntimeError if one fails."""
+        if not modules:
+            return
+        code = ("import importlib as _sciproto_importlib\n"
+                f"for _sciproto_module in {list(modules)!r}:\n"
+                "    _sciproto_importlib.import_module(_sciproto_module)\n"
+                "del _sciproto_importlib, _sciproto_module")
+        result = await self.run_cell(code, limits, store_history=False)
+        errors = [output for output in result.outputs if output.get("output_type") == "error"]
+        if result.stopped is not None or errors:
+            why = result.stopped or f"{errors[0].get('ename')}: {errors[0].get('evalue')}"
+            raise RuntimeError(f"importing {', '.join(modules)} ahead failed: {why}")
+
+    async def run_cell(self, source: str, limits: CellLimits, *, store_history: bool = True) -> CellResult:
         """Run `source` and collect its outputs (at most `max_output_chars` characters of them);
-        stop it at `wall_s` seconds or `cpu_s` CPU seconds."""
+        stop it at `wall_s` seconds or `cpu_s` CPU seconds. store_history=False: the run takes no
+        execution count and no place in the history."""
         result = CellResult()
-        msg_id = self.client.execute(source)
+        msg_id = self.client.execute(source, store_history=store_history)
         started, cpu_start = time.monotonic(), self.process.cpu_seconds()
         interrupted_at: float | None = None
         printed, checked = 0, started

@@ -1,8 +1,10 @@
 """Data-analysis questions on CSV files, answered in a Jupyter notebook (in the spirit of BixBench).
 
-Built on Aviary's NBEnvironment with a local kernel (no Docker). Each episode copies its dataset
-folder into a fresh temporary directory (its workspace), runs its own kernel there in a bwrap
-sandbox with limits (env_servers.sandbox; `sandbox: none` opts out), and removes both on close.
+Built on Aviary's NBEnvironment with a local kernel (no Docker). Each episode takes a kernel of its
+own, in a bwrap sandbox with limits (env_servers.sandbox; `sandbox: none` opts out) on an empty
+workspace, from a pool of kernels started ahead (env_servers.envs.kernel_pool; one is started on
+demand when the pool is empty or off), copies its dataset folder into that workspace, and destroys
+kernel, sandbox and workspace on close: no kernel serves two episodes.
 A submit_answer tool ends the episode: reward 1 for a correct answer, 0 otherwise.
 
 Per-episode options (ResetRequest.options, `NotebookEpisodeOptions`):
@@ -21,7 +23,7 @@ import json
 import math
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -29,9 +31,10 @@ from typing import Literal
 import nbformat
 from aviary.core import Environment, Message, Messages, Tool, ToolRequestMessage
 from aviary.envs.notebook import NBEnvironment, NBEnvironmentState
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
+from env_servers.envs.kernel_pool import KernelPool, PooledKernel, PoolSettings, PoolStats
 from env_servers.envs.source import (
     FORK_REPLAY,
     EnvironmentSource,
@@ -89,6 +92,9 @@ def parse_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
 class NotebookOptions(BaseModel):
     """Options of the notebook environment (env_options.notebook); the sandbox's limits are
     those of env_servers.sandbox.SandboxLimits, given here flat."""
@@ -107,6 +113,37 @@ class NotebookOptions(BaseModel):
     tmp_mb: int = SandboxLimits.model_fields["tmp_mb"]
     threads: int = SandboxLimits.model_fields["threads"]
     network: bool = SandboxLimits.model_fields["network"]
+    pool_size: int = Field(
+        default=4, ge=0,
+        description="Sandboxed kernels kept started ahead of Reset and Fork, each with an empty workspace of"
+        " its own; a kernel serves one episode and is destroyed with it. 0: no pool, every Reset starts one")
+    pool_refill_parallel: int = Field(
+        default=1, gt=0,
+        description="Refill rate: how many kernels the pool starts at once, in the background, after Resets"
+        " and Forks took some")
+    preload: list[str] = Field(
+        default=["pandas", "numpy"],
+        description="Modules each pooled kernel imports before an episode takes it (a list, or names separated"
+        " by commas; empty: none). No name is bound in the episode's namespace")
+    pool_min_available_mb: int = Field(
+        default=1024, ge=0,
+        description="The pool starts no kernel while the host has less memory available (MemAvailable);"
+        " Resets then start kernels on demand, as without a pool")
+
+    @field_validator("preload", mode="before")
+    @classmethod
+    def _preload_names(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [name.strip() for name in value.strip("[]").split(",") if name.strip()]
+        if isinstance(value, list):
+            bad = [name for name in value if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name)]
+            if bad:
+                raise ValueError(f"preload takes module names such as pandas or scipy.stats; not {bad}")
+        return value
+
+    def pool_settings(self) -> PoolSettings:
+        return PoolSettings(size=self.pool_size, refill_parallel=self.pool_refill_parallel,
+                            preload=list(self.preload), min_available_mb=self.pool_min_available_mb)
 
     def limits(self) -> SandboxLimits:
         return SandboxLimits(**{name: getattr(self, name) for name in SandboxLimits.model_fields
@@ -141,21 +178,20 @@ STATE_ACTIONS, ACTION_CHARS = 12, 160
 
 
 class SandboxedKernelState(NBEnvironmentState):
-    """The notebook's state with its kernel in a sandbox on the episode's workspace."""
+    """The notebook's state with its kernel in a sandbox on the episode's workspace (the
+    workspace of the kernel it took from the pool, or of one started for it)."""
 
     _sandbox: Sandbox = PrivateAttr()
     _kernel: SandboxedKernel = PrivateAttr()
 
-    async def start_sandboxed(self, limits: SandboxLimits, mode: SandboxMode) -> None:
-        self._sandbox = Sandbox(self.work_dir, limits, mode)
-        try:
-            self._kernel = await SandboxedKernel.start(self._sandbox)
-        except BaseException:
-            self._sandbox.remove()
-            raise
+    def adopt(self, pooled: PooledKernel) -> None:
+        """Make `pooled` (whose workspace is this state's work_dir) the episode's kernel; the
+        files put in the workspace since the sandbox was made become its user's."""
+        self._sandbox, self._kernel = pooled.sandbox, pooled.kernel
+        self._sandbox.own_workspace()
 
     async def start_kernel(self) -> None:
-        """Started by DataAnalysisEnv.reset with the environment's limits instead."""
+        """Taken by DataAnalysisEnv.reset from its kernel pool instead."""
 
     @property
     def kernel(self) -> SandboxedKernel:
@@ -175,15 +211,17 @@ class SandboxedKernelState(NBEnvironmentState):
 class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
     STATE_CLS = SandboxedKernelState
 
-    def __init__(self, task: NotebookTask, data_dir: Path, options: NotebookOptions) -> None:
+    def __init__(self, task: NotebookTask, data_dir: Path, options: NotebookOptions, kernels: KernelPool) -> None:
         super().__init__(
             work_dir=data_dir / task.dataset,
-            use_tmp_work_dir=True,  # Aviary copies work_dir into a mkdtemp() folder per reset
+            use_tmp_work_dir=True,  # reset copies work_dir into the workspace of the kernel it takes
             use_docker=False,
             cell_execution_timeout=options.cell_timeout_s,
         )
         self.task = task
         self.options = options
+        self.kernels = kernels
+        self._taken: PooledKernel | None = None  # the kernel reset took, until the state adopts it
         self.observation = "history"  # NotebookEpisodeOptions.observation
         self.action_mode: ActionMode = "tools"  # NotebookEpisodeOptions.action
         self.cell_reward = 0.0  # NotebookEpisodeOptions.cell_reward
@@ -194,18 +232,30 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
     async def reset(self) -> tuple[Messages, list[Tool]]:
         # NBEnvironment.reset replaces the state without stopping the previous kernel.
         await self.close()
-        notebook_observations, tools = await super().reset()
+        self._taken = await self.kernels.take()
         try:
-            await self.state.start_sandboxed(self.options.limits(), self.options.sandbox)
+            notebook_observations, tools = await super().reset()  # copies the data (_set_work_dir)
+            self.state.adopt(self._taken)
         except BaseException:
-            shutil.rmtree(self.state.work_dir, ignore_errors=True)
-            del self.state
+            await self._taken.destroy()
+            if hasattr(self, "state"):
+                del self.state
             raise
+        finally:
+            self._taken = None
         self.reward_components = {}
         self.action_log = []
         self.clean_runs = 0
         self.tools = [] if self.action_mode == "code" else [*tools, Tool.from_function(self.submit_answer)]
         return [Message(content=self.task.prompt(self.action_mode)), *notebook_observations], self.tools
+
+    def _set_work_dir(self) -> tuple[Path, Path]:
+        """The workspace of the kernel reset took, with a copy of `work_dir` (the dataset, or the
+        parent's workspace for a fork) in it."""
+        assert self._taken is not None, "reset takes a kernel before it sets the workspace"
+        workspace = self._taken.workspace
+        shutil.copytree(self.work_dir, workspace, dirs_exist_ok=True)
+        return workspace / self.NOTEBOOK_NAME, workspace
 
     async def step(self, action: Message) -> tuple[Messages, float, bool, bool]:
         clean_before = self.clean_runs
@@ -293,10 +343,10 @@ class DataAnalysisEnv(NBEnvironment[SandboxedKernelState]):
 
     async def fork(self) -> "DataAnalysisEnv":
         """A new episode at this one's step: a copy of the workspace (data, files the cells wrote,
-        the notebook) in a fresh folder, a fresh sandboxed kernel on it, and the notebook's code
+        the notebook) in the workspace of a kernel from the pool (or one started for it), and the notebook's code
         cells run again in order, so that the kernel has the variables they made. Exact when the
         cells are deterministic. A replayed cell stopped by a limit fails the fork."""
-        twin = DataAnalysisEnv(self.task, self.options.data_dir, self.options)
+        twin = DataAnalysisEnv(self.task, self.options.data_dir, self.options, self.kernels)
         twin.observation, twin.action_mode, twin.cell_reward = self.observation, self.action_mode, self.cell_reward
         twin.work_dir = self.state.work_dir  # reset copies this folder into a fresh workspace
         try:
@@ -364,6 +414,7 @@ class NotebookSource(EnvironmentSource):
     def __init__(self, options: NotebookOptions) -> None:
         self.options = options
         check_mode(options.sandbox)
+        self.pool = KernelPool(options.pool_settings(), options.limits(), options.sandbox)
         self.description = f"{type(self).description} {describe_mode(options.sandbox, options.limits())}."
         if not (options.data_dir / "tasks.jsonl").is_file():
             raise FileNotFoundError(
@@ -383,8 +434,19 @@ class NotebookSource(EnvironmentSource):
     def splits(self) -> dict[str, int]:
         return {split: len(tasks) for split, tasks in self._tasks.items()}
 
+    def start(self, room: Callable[[], int] | None = None) -> None:
+        """Start filling the kernel pool (see KernelPool.start)."""
+        self.pool.start(room)
+
+    async def aclose(self) -> None:
+        """Kill every kernel in the pool."""
+        await self.pool.aclose()
+
+    def pool_stats(self) -> PoolStats | None:
+        return self.pool.stats()
+
     def _env(self, task: NotebookTask) -> DataAnalysisEnv:
-        return DataAnalysisEnv(task, self.options.data_dir, self.options)
+        return DataAnalysisEnv(task, self.options.data_dir, self.options, self.pool)
 
     async def _make_checked(self, split: str, index: int) -> DataAnalysisEnv:
         return self._env(self._tasks[split][index])

@@ -218,6 +218,19 @@ class EnvironmentSource(ABC):
         cannot be judged and is reported UNSCORED."""
         return None
 
+    def start(self, room: Callable[[], int] | None = None) -> None:
+        """Start the source's background work (the notebook's kernel pool), on the running event
+        loop, when the server starts. `room`: how many more episodes the server may open now, which
+        resources held ahead count against. The default: nothing to start."""
+
+    async def aclose(self) -> None:
+        """Stop the background work and free what it holds, when the server stops."""
+
+    def pool_stats(self) -> Any:
+        """The state of the source's pool of resources started ahead (a kernel_pool.PoolStats), or
+        None where it keeps none (the default)."""
+        return None
+
     def check_task(self, split: str, index: int) -> None:
         """KeyError for an unknown split, IndexError for an index outside it."""
         splits = self.splits

@@ -202,6 +202,7 @@ class EnvironmentInfo(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
     FORK_FIELD_NUMBER: _builtins.int
+    WARM_POOL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name used in ResetRequest.env."""
     description: _builtins.str
@@ -222,6 +223,12 @@ class EnvironmentInfo(_message.Message):
         environment carries the same.
         """
 
+    @_builtins.property
+    def warm_pool(self) -> Global___WarmPool:
+        """Resources this environment starts ahead of Reset and Fork (the notebook's
+        sandboxed kernels); unset where it keeps none. Added after protocol 1.2.
+        """
+
     def __init__(
         self,
         *,
@@ -231,14 +238,65 @@ class EnvironmentInfo(_message.Message):
         tools: _abc.Iterable[_common_pb2.ToolSpec] | None = ...,
         provenance: _common_pb2.Provenance | None = ...,
         fork: Global___ForkMode.ValueType = ...,
+        warm_pool: Global___WarmPool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "warm_pool", b"warm_pool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "fork", b"fork", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "fork", b"fork", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EnvironmentInfo: _TypeAlias = EnvironmentInfo  # noqa: Y015
+
+@_typing.final
+class WarmPool(_message.Message):
+    """A pool of resources started ahead of the episodes that take them (a sandboxed
+    kernel each, for the notebook): each serves one episode and goes with it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    WARM_FIELD_NUMBER: _builtins.int
+    STARTING_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
+    PRELOAD_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """How many the pool keeps ready; 0: the pool is off."""
+    warm: _builtins.int
+    """Ready in the pool now."""
+    starting: _builtins.int
+    """Being started by the pool's background refill now."""
+    hits: _builtins.int
+    """Resets and Forks served by a ready one since the server started."""
+    misses: _builtins.int
+    """Resets and Forks that found the pool empty (or under pressure) and started one on demand."""
+    replaced: _builtins.int
+    """Ready ones found dead or not answering, dropped (never handed out) and replaced."""
+    @_builtins.property
+    def preload(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Modules each one imported ahead."""
+
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        warm: _builtins.int = ...,
+        starting: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        replaced: _builtins.int = ...,
+        preload: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "misses", b"misses", "preload", b"preload", "replaced", b"replaced", "size", b"size", "starting", b"starting", "warm", b"warm"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmPool: _TypeAlias = WarmPool  # noqa: Y015
 
 @_typing.final
 class EnvironmentCounters(_message.Message):
