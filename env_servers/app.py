@@ -12,6 +12,7 @@ from collections.abc import Mapping
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports aviary
 
 
+from env_servers import scratch
 from env_servers.catalog import EnvironmentSource, load_source
 from env_servers.config import EnvServerConfig
 from env_servers.sandbox import SandboxUnavailable
@@ -45,6 +46,8 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
 
 async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource],
                 authenticator: Authenticator | None) -> None:
+    # Directories of env servers that were killed (their clean-up never ran); never a live one's.
+    scratch.remove_orphans()
     service = EnvironmentService(settings, sources)
     # Everything imported so far (Aviary, litellm, pandas) lives as long as the process: keep it
     # out of the collector's full passes, which otherwise walk it while serving and at exit.
