@@ -39,9 +39,17 @@ RESULT = re.compile(r"^@@([0-9a-f]{8})(\{.*\})$", re.MULTILINE)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """A notebook server with a short cell timeout, its other limits at their defaults."""
-    yield from serve_env("sandbox-escapes", "envs=[notebook]", "heartbeat_interval_s=0.5",
-                         f"env_options.notebook.cell_timeout_s={CELL_TIMEOUT_S}", "step_timeout_s=60")
+    """A notebook server with a short cell timeout and a pool of warm kernels, its other limits
+    at their defaults. Every episode of these tests runs on a kernel from the pool (open_episode
+    checks it): what a pooled kernel's cell can reach is what these tests check."""
+    for started in serve_env("sandbox-escapes", "envs=[notebook]", "heartbeat_interval_s=0.5",
+                             f"env_options.notebook.cell_timeout_s={CELL_TIMEOUT_S}", "step_timeout_s=60",
+                             "env_options.notebook.pool_size=2"):
+        _targets[:] = [started.target]
+        yield started
+
+
+_targets: list[str] = []  # the module's server, for Describe
 
 
 def cell(code: str) -> common_pb2.ChatMessage:
@@ -87,8 +95,21 @@ async def run(client: EnvSession, episode_id: str, body: str) -> dict[str, Any]:
     return got
 
 
-async def open_episode(client: EnvSession, index: int = 0) -> str:
-    return (await client.reset("notebook", split="test", index=index, timeout=120)).episode_id
+async def warm_pool() -> env_pb2.WarmPool:
+    async with EnvClient(_targets[0]) as client:
+        described = await client.describe()
+    return {env.name: env for env in described.environments}["notebook"].warm_pool
+
+
+async def open_episode(client: EnvSession, index: int = 0, timeout_s: float = 90.0) -> str:
+    """A new episode, on a kernel the pool started ahead (once the pool has one ready)."""
+    deadline = time.monotonic() + timeout_s
+    while (before := await warm_pool()).warm == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    episode = (await client.reset("notebook", split="test", index=index, timeout=120)).episode_id
+    after = await warm_pool()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses), "the episode did not get a pooled kernel"
+    return episode
 
 
 def processes_in(directory: str) -> list[int]:
