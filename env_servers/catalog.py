@@ -24,27 +24,30 @@ from env_servers.envs.source import (
     reward_components,
 )
 
+# Options of one environment, as configured (env_options.NAME): text, or a list of names.
+SourceOptions = dict[str, str | list[str]]
 
-def _gsm8k(options: dict[str, str]) -> EnvironmentSource:
+
+def _gsm8k(options: SourceOptions) -> EnvironmentSource:
     from env_servers.envs.gsm8k import GSM8kOptions, GSM8kSource
 
     return GSM8kSource(GSM8kOptions.model_validate(options))
 
 
-def _notebook(options: dict[str, str]) -> EnvironmentSource:
+def _notebook(options: SourceOptions) -> EnvironmentSource:
     # Imported lazily: the notebook stack (jupyter, litellm) takes seconds to import.
     from env_servers.envs.notebook import NotebookOptions, NotebookSource
 
     return NotebookSource(NotebookOptions.model_validate(options))
 
 
-def _toy(options: dict[str, str]) -> EnvironmentSource:
+def _toy(options: SourceOptions) -> EnvironmentSource:
     from env_servers.envs.toy import ToyOptions, ToySource
 
     return ToySource(ToyOptions.model_validate(options))
 
 
-_BUILTINS: dict[str, Callable[[dict[str, str]], EnvironmentSource]] = {
+_BUILTINS: dict[str, Callable[[SourceOptions], EnvironmentSource]] = {
     "gsm8k": _gsm8k,
     "notebook": _notebook,
     "toy": _toy,
@@ -72,7 +75,7 @@ def check_name(name: str) -> None:
         )
 
 
-def load_source(name: str, options: dict[str, str] | None = None) -> EnvironmentSource:
+def load_source(name: str, options: SourceOptions | None = None) -> EnvironmentSource:
     """The environment source called `name`, configured by string `options`.
 
     Raises ValueError for an unknown name (listing what is available) or bad options.

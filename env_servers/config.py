@@ -22,8 +22,9 @@ class EnvServerConfig(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
     envs: list[str] = Field(default_factory=builtin_names, min_length=1,
                             description="Environments to host: built-in names or names Aviary knows")
-    env_options: dict[str, dict[str, str]] = Field(
-        default_factory=dict, description="Per-environment source options, by environment name")
+    env_options: dict[str, dict[str, str | list[str]]] = Field(
+        default_factory=dict, description="Per-environment source options, by environment name (text, or a"
+        " list of names where the option takes one, such as the notebook's preload)")
     max_live_episodes: int = Field(1024, gt=0, description="Reset beyond this many open episodes is refused")
     idle_ttl_s: float = Field(600.0, gt=0, description="An episode untouched this long is closed")
     step_timeout_s: float = Field(120.0, gt=0, description="A Step (or Reset) running longer fails the episode")

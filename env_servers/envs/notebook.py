@@ -19,6 +19,7 @@ Verify of a live episode grades all of this; rescoring a stored trajectory reads
 submit_answer call only (tool actions, no cell reward).
 """
 
+import importlib.util
 import json
 import math
 import re
@@ -414,6 +415,10 @@ class NotebookSource(EnvironmentSource):
     def __init__(self, options: NotebookOptions) -> None:
         self.options = options
         check_mode(options.sandbox)
+        missing = [name for name in options.preload if importlib.util.find_spec(name.split(".")[0]) is None]
+        if missing:
+            raise ValueError(f"preload names {missing}, not installed in this Python (the kernels run on it);"
+                             " install them or remove them from preload")
         self.pool = KernelPool(options.pool_settings(), options.limits(), options.sandbox)
         self.description = f"{type(self).description} {describe_mode(options.sandbox, options.limits())}."
         if not (options.data_dir / "tasks.jsonl").is_file():
