@@ -1,6 +1,7 @@
 """The notebook's pool of warm sandboxed kernels, on real server processes: an episode never sees
 what an earlier one left, the pool refills after a burst, a dead pooled kernel is replaced and
-never handed out, and a stopped server leaves no kernel and no workspace behind."""
+never handed out, a stopped server leaves no kernel and no workspace behind, and the pool yields
+to the server's episode limit and to memory pressure (Resets then start kernels on demand)."""
 
 from __future__ import annotations
 
@@ -174,3 +175,50 @@ async def test_a_stopped_server_leaves_no_kernel_and_no_workspace() -> None:
         await asyncio.sleep(0.1)
     assert left == [], f"kernels outlived their server: {left}"
     assert not scratch_root.exists(), f"the stopped server left {sorted(p.name for p in scratch_root.iterdir())}"
+
+
+async def test_the_pool_counts_against_the_episode_limit() -> None:
+    # Two episodes at most: with both open, the pool may hold no kernel; with one, one.
+    started = serve_env("kernel-pool-room", "envs=[notebook]", f"env_options.notebook.pool_size={POOL_SIZE}",
+                        "max_live_episodes=2")
+    server = next(started)
+    try:
+        await wait_until_full(server.target)
+        async with EnvClient(server.target) as unary, unary.session() as client:
+            first, second = await open_episode(client), await open_episode(client)
+            full = await pool(server.target)
+            assert full.warm == 0 and full.starting == 0, full  # no room left for a pooled kernel
+            await client.close(first)
+            refilled = await wait_until_full_to(server.target, 1)
+            await client.close(second)
+            await wait_until_full(server.target)
+            assert (await pool(server.target)).warm == POOL_SIZE
+    finally:
+        for _ in started:
+            pass
+    assert refilled.warm == 1 and refilled.starting == 0, refilled
+
+
+async def wait_until_full_to(target: str, warm: int, timeout_s: float = 90.0) -> env_pb2.WarmPool:
+    """The pool once it holds `warm` kernels and starts no more (within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while ((state := await pool(target)).warm < warm or state.starting) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return state
+
+
+async def test_under_memory_pressure_the_pool_starts_nothing_and_resets_start_kernels_on_demand() -> None:
+    # More memory asked to be left available than any host has: the pool never starts a kernel.
+    started = serve_env("kernel-pool-pressure", "envs=[notebook]", f"env_options.notebook.pool_size={POOL_SIZE}",
+                        "env_options.notebook.pool_min_available_mb=1000000000")
+    server = next(started)
+    try:
+        async with EnvClient(server.target) as unary, unary.session() as client:
+            episode = await open_episode(client)
+            got = await report(client, episode, "seen['sum'] = sum(range(10))")
+            state = await pool(server.target)
+    finally:
+        for _ in started:
+            pass
+    assert got == {"sum": 45}
+    assert (state.size, state.warm, state.starting, state.hits, state.misses) == (POOL_SIZE, 0, 0, 0, 1), state
