@@ -143,7 +143,12 @@ class KernelPool:
         as without a pool). Never an error for an empty pool; a failed on-demand start raises."""
         while self._warm:
             pooled = self._warm.popleft()
-            if await pooled.kernel.answers(ANSWER_TIMEOUT_S):
+            try:
+                answered = await pooled.kernel.answers(ANSWER_TIMEOUT_S)
+            except BaseException:  # the Reset was cancelled meanwhile: the kernel goes back, untouched
+                self._warm.appendleft(pooled)
+                raise
+            if answered:
                 self.hits += 1
                 self._wake.set()
                 return pooled
