@@ -38,7 +38,9 @@ def progress(message: str) -> None:
     print(f"[sandbox] {message}", file=sys.stderr, flush=True)
 
 
-SOURCES = {mode: load_source("notebook", {"sandbox": mode}) for mode in MODES}
+# No kernel pool: every Reset boots its kernel, which is what the sandbox's cost is measured on
+# (bench/notebook.py measures the pool).
+SOURCES = {mode: load_source("notebook", {"sandbox": mode, "pool_size": "0"}) for mode in MODES}
 
 
 async def one_episode(mode: str, index: int) -> tuple[float, float]:
