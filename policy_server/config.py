@@ -32,7 +32,7 @@ class WeightUpdateOptions(BaseModel):
         120.0, gt=0, description="Longest wait for the next message of an update stream before it is refused"
     )
     collective: CollectiveRendezvous | None = Field(
-        None, description="The learner's gloo weight-transfer group (transformers backend; vLLM reads vllm.nccl)"
+        None, description="The learner's collective weight-transfer group: gloo (transformers; vLLM on the CPU) or NCCL (vLLM on a GPU)"
     )
 
 

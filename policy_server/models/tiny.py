@@ -20,8 +20,9 @@ def build_tiny_model(seed: int, dtype: torch.dtype) -> PreTrainedModel:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # Heads of 32 dimensions: the smallest vLLM's CPU attention kernels take (32, 64, 80, ...).
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=TINY_MAX_CONTEXT,
         # Larger than the usual 0.02 so the random model's next-token distributions are peaked
         # rather than near-uniform, which makes sampling behaviour visible in tests.

