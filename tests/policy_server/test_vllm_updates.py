@@ -203,6 +203,7 @@ async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
 
     async def collective_rpc(method, timeout=None, args=(), kwargs=None):
         rpcs.append((method, timeout, kwargs))
+        return [""]  # one worker, whose transfer did not fail
 
     engine.collective_rpc = collective_rpc
     manifest = [TensorSpec("b", (3,), "bfloat16"), TensorSpec("a", (2, 2), "float32")]
@@ -225,7 +226,8 @@ async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
                 assert reply.policy_version == version
     finally:
         await running.stop()
-    assert [method for method, _, _ in rpcs] == ["init_weight_transfer_engine", "update_weights", "update_weights"]
+    assert [method for method, _, _ in rpcs] == ["init_weight_transfer_engine", "update_weights", "take_transfer_failure",
+                                                  "update_weights", "take_transfer_failure"]
     assert rpcs[0][2] == {"init_info": {"master_address": "127.0.0.1", "master_port": 29650, "rank_offset": 1,
                                         "world_size": 2, "packed": True}}
     assert rpcs[1][2] == {"update_info": {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"],
