@@ -47,8 +47,16 @@ class StepMetrics(BaseModel):
     is_weight_mean: float = 0.0
     is_weight_max: float = 0.0
     is_frac_truncated: float = 0.0
-    # mean exp|log pi_theta - log mu|: 1.0 when trainer and rollout policies agree exactly.
+    # mean exp|log pi_old - log mu| over the trained tokens (pi_old: the learner's weights before
+    # this batch): 1.0 when the learner and the policy servers agree exactly. It mixes two things,
+    # reported apart: mismatch_engine over the tokens sampled at the learner's current version
+    # (same weights on both sides: only the engines differ: kernels, dtype, sampling), and
+    # staleness_shift over the tokens sampled by older versions (the updates since then, and the
+    # engine). None when the batch has no token of that kind; stale_token_frac the older share.
     mismatch: float = 0.0
+    mismatch_engine: float | None = None
+    staleness_shift: float | None = None
+    stale_token_frac: float = 0.0
     # Mean over the batch's optimizer steps, before clipping.
     grad_norm: float = 0.0
     # Optimizer steps on this batch (GRPOConfig.mini_batches, fewer when it has fewer sequences).
@@ -88,6 +96,16 @@ def _advantage_and_turn_stats(advantages: list[float], turn_prompts: list[int]) 
         stats["prompt_tokens_per_turn_mean"] = sum(turn_prompts) / len(turn_prompts)
         stats["prompt_tokens_per_turn_max"] = max(turn_prompts)
     return stats
+
+
+def _mismatch_split(totals: dict[str, float]) -> dict[str, float | None]:
+    current, stale = totals["tokens_current"], totals["tokens"] - totals["tokens_current"]
+    stale_sum = totals["mismatch"] - totals["mismatch_current"]
+    return {
+        "mismatch_engine": totals["mismatch_current"] / current if current else None,
+        "staleness_shift": stale_sum / stale if stale else None,
+        "stale_token_frac": stale / totals["tokens"],
+    }
 
 
 def _reward_stats(rewards: list[float]) -> dict[str, float]:
@@ -236,6 +254,7 @@ class GRPOTrainer:
             is_weight_max=float(is_weight_max),
             is_frac_truncated=totals["is_truncated"] / tokens,
             mismatch=totals["mismatch"] / tokens,
+            **_mismatch_split(totals),
             grad_norm=sum(grad_norms) / len(grad_norms),
             optimizer_steps=len(parts),
             micro_batches=sum(len(micro) for micro in micro_batches),
@@ -258,6 +277,7 @@ class GRPOTrainer:
         fail: with K = 1 a failure leaves the weights untouched without a snapshot)."""
         config = self.config
         last = len(parts) - 1
+        version = self.policy_version  # pi_old's: the tokens it sampled show the engine mismatch
         for k, (part, micro, part_old) in enumerate(zip(parts, micro_batches, old_logprobs, strict=True)):
             part_tokens = sum(int(seq.loss_mask.sum()) for seq in part)  # N_k, all ranks together
             self.optimizer.zero_grad(set_to_none=True)
@@ -276,6 +296,7 @@ class GRPOTrainer:
                     part_tokens,
                     config,
                     ref_logprobs,
+                    current=(batch.policy_versions == version).float(),
                 )
                 # FSDP2 averages gradients over ranks; the loss is already a share of the global
                 # sum, so scale by world size to make that average the sum.
