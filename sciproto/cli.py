@@ -199,6 +199,34 @@ def conformance_policy(
 
 
 @app.command()
+def verify(
+    rollouts: Annotated[Path, typer.Argument(help="JSONL file written by `sciproto collect` or `train`")],
+    env: Annotated[str, typer.Option("--env", help="HOST:PORT of the EnvironmentService that grades them")],
+    tolerance: Annotated[float, typer.Option(min=0.0, help="Largest reward difference that still agrees")] = 1e-6,
+    concurrency: Annotated[int, typer.Option(min=1, help="Verify calls in flight at once")] = 16,
+    timeout: Annotated[float, typer.Option(help="Seconds each Verify may take")] = 60.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (role grader)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+) -> None:
+    """Re-score stored rollouts through Verify; list every disagreement; exit 1 if any."""
+    from clients.reverify import verify_rollouts
+    from sciproto.channel import ChannelConfig, TlsClientConfig
+
+    if not rollouts.is_file():
+        raise SystemExit(f"sciproto verify: {rollouts} is not a file; give a rollouts JSONL file")
+    tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
+    config = ChannelConfig(target=env, default_timeout_s=timeout, token=token, tls=tls)
+    try:
+        report = asyncio.run(verify_rollouts(rollouts, config, tolerance=tolerance, concurrency=concurrency,
+                                             timeout_s=timeout))
+    except ValueError as error:  # a line that is not a rollout record: its first line says which
+        raise SystemExit(f"sciproto verify: {str(error).splitlines()[0]}") from None
+    typer.echo(report.to_json() if as_json else report.render())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
 def version() -> None:
     """Print the software and protocol versions."""
     typer.echo(f"sciproto {__version__} (protocol {PROTOCOL_VERSION})")
