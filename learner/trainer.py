@@ -227,7 +227,7 @@ class GRPOTrainer:
         # A batch is all or nothing: if it fails after an optimizer step (a later mini-batch runs
         # out of memory, a rank fails), the weights and AdamW state go back to the snapshot taken
         # before its first step, so its groups are retried on the policy they were sampled from.
-        snapshot = _Snapshot(self.model, self.optimizer) if len(parts) > 1 else None
+        snapshot = _Snapshot(self.optimizer) if len(parts) > 1 else None
         try:
             self._optimizer_steps(parts, micro_batches, old_logprobs, plan.num_tokens,
                                   sums, loss_sum, is_weight_max, grad_norms)
@@ -397,10 +397,14 @@ class _Snapshot:
     that step is the batch's last fallible operation and nothing needs undoing.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         with torch.no_grad():
-            self.params = [(p, _local(p).detach().to("cpu", copy=True)) for p in model.parameters()]
+            # The optimizer's parameters: under FSDP2 these are the sharded DTensors the optimizer
+            # updates, whereas model.parameters() can yield a module's unsharded parameters, whose
+            # memory FSDP2 frees when it reshards (copying into one crashed the process).
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self.params = [(p, _local(p).detach().to("cpu", copy=True)) for p in params]
             self.state = {
                 p: {k: _local(v).detach().to("cpu", copy=True) if torch.is_tensor(v) else v
                     for k, v in optimizer.state[p].items()}

@@ -5,12 +5,17 @@ sampled against, and a learner that saw the failure ends where one that never sa
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import test_fsdp2 as fsdp
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from learner_fixtures import make_group, tiny_model
 
 from learner.config import GRPOConfig
+from learner.distributed import broadcast_groups
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup
 
@@ -111,3 +116,50 @@ def test_a_first_step_that_fails_leaves_no_optimizer_state() -> None:
     handle.remove()
     _assert_same(_state(failed), _state(GRPOTrainer(tiny_model(), CONFIG)))
     assert failed.optimizer.state == {} or all(not s for s in failed.optimizer.state.values())
+
+
+def _failing_fsdp_worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    """Under FSDP2 (two ranks): batch 1 fails on both ranks as its second optimizer step begins,
+    then is trained again."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=fsdp.WORLD_SIZE)
+    try:
+        trainer = GRPOTrainer(tiny_model(seed=0), fsdp.CONFIG)
+        first, second = [broadcast_groups(b if rank == 0 else None) for b in fsdp._batches()]
+        figures = [[m.loss, m.grad_norm] for m in [trainer.train_step(first)]]
+        original, calls = trainer.optimizer.step, []
+
+        def step(*args: object, **kwargs: object) -> object:
+            calls.append(1)
+            if len(calls) == 2:
+                raise ForwardFault("the second optimizer step of the batch failed")
+            return original(*args, **kwargs)
+
+        trainer.optimizer.step = step  # type: ignore[method-assign]
+        try:
+            trainer.train_step(second)
+            raise AssertionError("the injected fault did not fire")
+        except ForwardFault:
+            pass
+        trainer.optimizer.step = original  # type: ignore[method-assign]
+        figures += [[m.loss, m.grad_norm] for m in [trainer.train_step(second)]]
+        weights = trainer.state_dict_for_push()
+        if rank == 0:
+            torch.save({"figures": figures, "weights": weights, "version": trainer.policy_version},
+                       Path(out_dir) / "result.pt")
+        dist.barrier()  # as in test_fsdp2: no rank tears down under the other's gloo work
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp2_a_failed_step_restores_every_rank_shard(tmp_path: Path) -> None:
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_failing_fsdp_worker, args=(rendezvous, str(tmp_path)), nprocs=fsdp.WORLD_SIZE, join=True)
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+
+    single = GRPOTrainer(tiny_model(seed=0), fsdp.CONFIG)
+    expected = [[m.loss, m.grad_norm] for m in map(single.train_step, fsdp._batches())]
+    assert result["version"] == 2
+    torch.testing.assert_close(result["figures"], expected, rtol=1e-5, atol=1e-7)
+    for name, value in single.state_dict_for_push().items():  # tolerances of test_fsdp2
+        torch.testing.assert_close(result["weights"][name], value, rtol=1e-3, atol=2e-4)
