@@ -162,6 +162,7 @@ class GRPOTrainer:
         )
         self.step = 0
         self.policy_version = 0
+        self._snapshot = _Snapshot(self.optimizer)
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         model = prepare_model(model, self.config.precision)
@@ -227,7 +228,9 @@ class GRPOTrainer:
         # A batch is all or nothing: if it fails after an optimizer step (a later mini-batch runs
         # out of memory, a rank fails), the weights and AdamW state go back to the snapshot taken
         # before its first step, so its groups are retried on the policy they were sampled from.
-        snapshot = _Snapshot(self.optimizer) if len(parts) > 1 else None
+        snapshot = self._snapshot if len(parts) > 1 else None
+        if snapshot is not None:
+            snapshot.take()
         try:
             self._optimizer_steps(parts, micro_batches, old_logprobs, plan.num_tokens,
                                   sums, loss_sum, is_weight_max, grad_norms)
@@ -392,30 +395,50 @@ class _Snapshot:
     them, and the learner would hold weights no policy server serves and no checkpoint names.
     Restoring makes a failed step leave no trace: the retry is the step that never failed.
 
-    Cost: one host copy of the fp32 weights and of AdamW's two moments per batch (this rank's
-    shards under FSDP2), taken only when the batch makes more than one optimizer step; with one,
-    that step is the batch's last fallible operation and nothing needs undoing.
+    Cost: one host copy of the fp32 weights and of AdamW's two moments (this rank's shards under
+    FSDP2) per batch, taken only when the batch makes more than one optimizer step; with one, that
+    step is the batch's last fallible operation and nothing needs undoing. The host buffers are
+    kept and refilled batch after batch (pinned when training on a GPU), so a snapshot costs a
+    copy, not an allocation.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        # The optimizer's parameters: under FSDP2 these are the sharded DTensors the optimizer
+        # updates, whereas model.parameters() can yield a module's unsharded parameters, whose
+        # memory FSDP2 frees when it reshards (copying into one crashed the process).
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.state: dict[nn.Parameter, dict[str, object]] = {}
+
+    def _copy(self, key: tuple[int, str], tensor: torch.Tensor) -> torch.Tensor:
+        source = _local(tensor).detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                                 pin_memory=source.device.type == "cuda")
+            self._buffers[key] = buffer
+        buffer.copy_(source, non_blocking=True)
+        return buffer
+
+    def take(self) -> None:
+        """Copy the weights and optimizer state as they are now."""
         with torch.no_grad():
-            # The optimizer's parameters: under FSDP2 these are the sharded DTensors the optimizer
-            # updates, whereas model.parameters() can yield a module's unsharded parameters, whose
-            # memory FSDP2 frees when it reshards (copying into one crashed the process).
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.params = [(p, _local(p).detach().to("cpu", copy=True)) for p in params]
+            for number, param in enumerate(self.params):
+                self._copy((number, ""), param)
             self.state = {
-                p: {k: _local(v).detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-                    for k, v in optimizer.state[p].items()}
-                for p, _ in self.params
-                if p in optimizer.state
+                param: {k: self._copy((number, k), v) if torch.is_tensor(v) else v
+                        for k, v in self.optimizer.state[param].items()}
+                for number, param in enumerate(self.params)
+                if param in self.optimizer.state
             }
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking copies have landed
 
     def restore(self) -> None:
         with torch.no_grad():
-            for param, saved in self.params:
-                _local(param).copy_(saved)
+            for number, param in enumerate(self.params):
+                _local(param).copy_(self._buffers[(number, "")])
                 if param not in self.state:  # the batch made its first step: no state before it
                     self.optimizer.state.pop(param, None)
                     continue
@@ -425,5 +448,5 @@ class _Snapshot:
                 for key, value in self.state[param].items():
                     if torch.is_tensor(value) and torch.is_tensor(current.get(key)):
                         _local(current[key]).copy_(value)
-                    else:
-                        current[key] = value
+                    else:  # a state entry the failed step replaced: the saved copy, on its device
+                        current[key] = value.to(_local(param).device, copy=True) if torch.is_tensor(value) else value
