@@ -16,8 +16,9 @@ rewards equal: GRPO would learn nothing), "busy" (no buffer slot freed within ad
 Accounting: every accepted group belongs to the stream that last sent it. A step result goes to
 every open stream, but names to each only its own groups: the ids the step consumed and the ids
 dropped as stale when it took its batch. A failed step leaves the weights and optimizer state as
-they were before it (learner/trainer.py), puts its groups back at the front of the buffer and says so (StepFailure.returned_group_ids); after max_step_attempts failures in a row a
-group is given up (abandoned_group_ids). A group sent again while it still waits (a client that
+they were before it (learner/trainer.py), puts its groups back at the front of the buffer and says
+so (StepFailure.returned_group_ids); after max_step_attempts failures in a row a group is given up
+(abandoned_group_ids). A group sent again while it still waits (a client that
 reconnected) is accepted again and moves to the new stream; a duplicate of a settled group is
 refused with what became of it in the receipt's detail.
 

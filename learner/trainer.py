@@ -50,7 +50,7 @@ class StepMetrics(BaseModel):
     # mean exp|log pi_old - log mu| over the trained tokens (pi_old: the learner's weights before
     # this batch): 1.0 when the learner and the policy servers agree exactly. It mixes two things,
     # reported apart: mismatch_engine over the tokens sampled at the learner's current version
-    # (same weights on both sides: only the engines differ: kernels, dtype, sampling), and
+    # (the same weights on both sides, so only the engines differ: kernels, dtype, sampling), and
     # staleness_shift over the tokens sampled by older versions (the updates since then, and the
     # engine). None when the batch has no token of that kind; stale_token_frac the older share.
     mismatch: float = 0.0
