@@ -78,6 +78,8 @@ _ROLE_NAMES = {
     common_pb2.ROLE_ASSISTANT: "assistant", common_pb2.ROLE_TOOL: "tool",
 }
 
+_ROLE_FROM_NAME = {name: role for role, name in _ROLE_NAMES.items()}
+
 
 def status_from_pb(status: int) -> RolloutStatus:
     return _STATUS_FROM_PB[status]
@@ -140,6 +142,14 @@ class PartRecord(BaseModel):
             return cls(type="file", uri=part.file.uri, mime_type=part.file.mime_type)
         return cls(type="text", text=part.text)
 
+    def to_pb(self) -> common_pb2.ContentPart:
+        if self.type == "image":
+            return common_pb2.ContentPart(image=common_pb2.ImagePart(
+                data=base64.b64decode(self.data_base64), mime_type=self.mime_type))
+        if self.type == "file":
+            return common_pb2.ContentPart(file=common_pb2.FileRef(uri=self.uri, mime_type=self.mime_type))
+        return common_pb2.ContentPart(text=self.text)
+
 
 class MessageRecord(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
@@ -161,6 +171,17 @@ class MessageRecord(BaseModel):
             tool_call_id=message.tool_call_id,
             name=message.name,
             parts=[PartRecord.from_pb(part) for part in message.parts],
+        )
+
+    def to_pb(self) -> common_pb2.ChatMessage:
+        """The message as it travelled (the inverse of from_pb): a stored trajectory to Verify."""
+        return common_pb2.ChatMessage(
+            role=_ROLE_FROM_NAME[self.role],
+            content=self.content,
+            tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in self.tool_calls],
+            tool_call_id=self.tool_call_id,
+            name=self.name,
+            parts=[part.to_pb() for part in self.parts],
         )
 
 

@@ -9,8 +9,10 @@
    GRPO), but at most `rollout.max_groups_ahead` groups are started and not yet consumed by the
    learner (trained, dropped or refused): with max_staleness 0 and one batch ahead, this is
    synchronous on-policy GRPO.
-3. Stops at the budget (optimizer steps and/or seconds) or on Ctrl-C, asks the learner for a final
-   checkpoint, stops every child (SIGTERM, then SIGKILL), and prints a summary.
+3. Stops at the budget (optimizer steps and/or seconds) or on Ctrl-C: stops every child (SIGTERM,
+   then SIGKILL after processes.stop_timeout_s), the learner first, which finishes the step in
+   flight and writes its final checkpoint; then prints a summary that agrees with that checkpoint
+   and metrics.jsonl (a step that finished after the stop is counted).
 
 A run directory `runs/<name>` holds: config.yaml (as resolved), env.log / policy.log /
 learner.log, checkpoints/, metrics.jsonl, reward.png, rollouts.jsonl (the rollout line format of
@@ -58,6 +60,7 @@ from clients.step_rollouts import StepGroupSettings
 from clients.train_display import Progress, RunStatus
 from clients.train_flow import Flow, GroupLedger
 from clients.train_processes import start_servers, stop_servers
+from clients.train_record import learner_record
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
@@ -720,18 +723,6 @@ async def run_rollouts_into_learner(
     return outcome
 
 
-async def final_checkpoint(
-    learner_target: str, timeout_s: float
-) -> learner_pb2.SaveCheckpointResponse:
-    async with make_channel(learner_target) as channel:
-        try:
-            return await learner_grpc.LearnerServiceStub(channel).SaveCheckpoint(
-                learner_pb2.SaveCheckpointRequest(), timeout=timeout_s
-            )
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
-
-
 # ---------------------------------------------------------------------- the command
 
 
@@ -753,9 +744,50 @@ def train(config: TrainConfig) -> TrainOutcome:
         outcome = asyncio.run(_train_async(config, processes, run_dir, progress))
     finally:
         progress.close()
+        # The learner first: on SIGTERM it finishes the step in flight (within stop_timeout_s),
+        # logs it and writes its final checkpoint, which the summary then agrees with.
         stop_servers(processes, config.processes.stop_timeout_s)
+        settle_with_learner(outcome, run_dir, resumed_at=done)
         _finish_outputs(outcome, run_dir)
     return outcome
+
+
+def settle_with_learner(outcome: TrainOutcome, run_dir: Path, resumed_at: int) -> None:
+    """Make the summary agree with what the stopped learner kept (clients.train_record): a step
+    that was training when the run stopped finished after the TrainStep stream ended, so no step
+    result told of it; its metrics line and the final checkpoint do. Steps the client heard of
+    beyond that checkpoint (a learner killed between checkpoints) are lost and trained again by a
+    resumed run: they leave the summary too. `resumed_at`: the step the run started from."""
+    kept = learner_record(run_dir)
+    if kept is None:
+        return
+    lost = [s.step for s in outcome.steps if s.step > kept.step]
+    if lost:
+        log.warning("steps %s are not in the learner's last checkpoint (step %d): a resumed run "
+                    "trains them again", lost, kept.step)
+    heard = {s.step: s for s in outcome.steps if s.step <= kept.step}
+    for line in kept.metrics:
+        step = int(line["step"])
+        if step > resumed_at and step not in heard:  # finished after the stream ended
+            heard[step] = StepRecord(
+                step=step,
+                policy_version=int(line.get("policy_version", step)),
+                reward_mean=float(line.get("reward_mean", math.nan)),
+                policy_lag_mean=float(line.get("policy_lag_mean", 0.0)),
+                groups=int(line.get("groups", 0)),
+                seconds=outcome.seconds,
+            )
+    outcome.steps = [heard[step] for step in sorted(heard)]
+    for group_id, fates in outcome.group_fates.items():
+        if fates != ["pending"]:
+            continue
+        fate = ("consumed" if group_id in kept.trained_group_ids
+                else "dropped_stale" if group_id in kept.dropped_stale_group_ids else None)
+        if fate is not None:
+            fates[:] = [fate]
+            outcome.groups_settled[fate] = outcome.groups_settled.get(fate, 0) + 1
+            outcome.groups_pending -= 1
+    outcome.checkpoint = str(kept.checkpoint)
 
 
 async def _train_async(
@@ -787,11 +819,8 @@ async def _train_async(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
-    # A run that made no optimizer step has nothing new to save (a checkpoint now would be a
-    # copy of the base model, or of the checkpoint it resumed from).
-    if outcome.steps and processes["learner"].alive():
-        saved = await final_checkpoint(processes["learner"].target, config.processes.stop_timeout_s)
-        outcome.checkpoint = saved.directory
+    # No checkpoint asked for here: the learner writes its final one when it is stopped, after
+    # the step in flight, and takes no further batch (asking now would let it start one more).
     return outcome
 
 

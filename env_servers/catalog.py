@@ -20,6 +20,7 @@ from env_servers.envs.source import (
     UNBOUNDED,
     EnvironmentSource,
     ForkUnsupportedError,
+    ReferenceUnsupportedError,
     RescoreUnsupportedError,
     reward_components,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "UNBOUNDED",
     "EnvironmentSource",
     "ForkUnsupportedError",
+    "ReferenceUnsupportedError",
     "RescoreUnsupportedError",
     "builtin_names",
     "check_name",

@@ -25,6 +25,7 @@ from env_servers.catalog import (
     FORK_UNSUPPORTED,
     UNBOUNDED,
     EnvironmentSource,
+    ReferenceUnsupportedError,
     RescoreUnsupportedError,
     reward_components,
 )
@@ -48,7 +49,7 @@ from sciproto.tracing import Attr, Operation, span_for_request, span_name, traci
 log = logging.getLogger("env_servers.service")
 
 CAPABILITIES = ("session", "session.heartbeat", "session.cancel", "session.max_in_flight", "fork", "verify.episode",
-                "verify.trajectory", "inline_tasks", "idempotent_requests")
+                "verify.trajectory", "inline_tasks", "idempotent_requests", "reference")
 
 Response = TypeVar("Response")
 
@@ -124,6 +125,7 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
             env_pb2.EnvironmentInfo(
                 name=name, description=source.description, tools=self.tools_seen.get(name, []),
                 provenance=self._provenance(name), fork=_FORK_MODES[source.fork_mode],
+                reward_range=_reward_range(source),
                 splits=[env_pb2.SplitInfo(name=split, size=max(size, 0), unbounded=size == UNBOUNDED)
                         for split, size in self.splits[name].items()],
                 warm_pool=_warm_pool(source))
@@ -244,6 +246,21 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
         raise InvalidArgument("VerifyRequest names nothing to grade: set episode_id or trajectory",
                               Reason.INVALID_REQUEST)
 
+    @_counts_errors
+    async def reference(self, request: env_pb2.ReferenceRequest, *,
+                        context: grpc.aio.ServicerContext | None = None) -> env_pb2.ReferenceResponse:
+        """The reference actions of a dataset task: they reveal its answer (the grader role)."""
+        source = self._source(request.env)
+        if not request.HasField("task_ref"):
+            raise InvalidArgument("ReferenceRequest names no task: set task_ref {split, index}", Reason.INVALID_REQUEST)
+        split, index = request.task_ref.split, request.task_ref.index
+        self._check_task(request.env, split, index)
+        try:
+            actions = source.reference_actions(split, index)
+        except ReferenceUnsupportedError as error:
+            raise Unimplemented(str(error), Reason.UNSUPPORTED) from None
+        return env_pb2.ReferenceResponse(actions=[convert.message_to_proto(action) for action in actions])
+
     def _episode_reward(self, episode_id: str) -> common_pb2.Reward:
         """The episode's return as it stands: SCORED once it terminated; before that (or when
         cut short) SCORED as a missing answer where the environment grades one, else UNSCORED;
@@ -362,6 +379,10 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                     context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
         return await self.close(request, context=context)
 
+    async def Reference(self, request: env_pb2.ReferenceRequest,
+                        context: grpc.aio.ServicerContext) -> env_pb2.ReferenceResponse:
+        return await self.reference(request, context=context)
+
     async def Fork(self, request: env_pb2.ForkRequest,
                    context: grpc.aio.ServicerContext) -> env_pb2.ForkResponse:
         return await self.fork(request, context=context)
@@ -372,6 +393,13 @@ class EnvironmentService(env_grpc.EnvironmentServiceServicer):
                                max_in_flight=self.config.session_max_in_flight)
         async for response in stream.run(request_iterator):
             yield response
+
+
+def _reward_range(source: EnvironmentSource) -> env_pb2.RewardRange | None:
+    if source.reward_range is None:
+        return None
+    low, high, baseline = source.reward_range
+    return env_pb2.RewardRange(min=low, max=high, baseline=baseline)
 
 
 async def _configured(source: EnvironmentSource, make: Callable[[], Awaitable[Environment]],

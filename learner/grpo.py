@@ -41,6 +41,8 @@ class TrainSequence:
     loss_mask: torch.Tensor  # [T] float, 1 where trained
     rollout_logprobs: torch.Tensor  # [T] float, mu
     advantage: float
+    # [T] long: the policy version that sampled each trained token (-1 elsewhere); None: unknown.
+    policy_versions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -135,6 +137,7 @@ def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
         loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
         rollout_logprobs=torch.tensor(sample.rollout_logprobs, dtype=torch.float32),
         advantage=advantage,
+        policy_versions=torch.tensor(sample.policy_versions, dtype=torch.long),
     )
 
 
@@ -244,6 +247,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T-1]
     rollout_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
+    policy_versions: torch.Tensor  # [B, T-1] long, -1 where unknown or not trained
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -265,7 +269,14 @@ def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0) -> Micr
         loss_mask=stack([s.loss_mask for s in sequences], 0.0)[:, 1:],
         rollout_logprobs=stack([s.rollout_logprobs for s in sequences], 0.0)[:, 1:],
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+        policy_versions=stack([_versions(s) for s in sequences], -1)[:, 1:],
     )
+
+
+def _versions(sequence: TrainSequence) -> torch.Tensor:
+    if sequence.policy_versions is not None:
+        return sequence.policy_versions
+    return torch.full((sequence.length,), -1, dtype=torch.long)
 
 
 def token_logprobs_and_entropy(
@@ -297,6 +308,8 @@ STAT_NAMES = (
     "is_weight",
     "is_truncated",
     "mismatch",
+    "mismatch_current",
+    "tokens_current",
     "tokens",
 )
 
@@ -310,11 +323,14 @@ def grpo_loss(
     num_tokens: int,
     config: GRPOConfig,
     ref_logprobs: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the mini-batch loss L_k, and summed token statistics for the
     metrics.
 
     All per-token tensors are [B, T-1]; advantages is [B]; num_tokens is N_k of the mini-batch.
+    `current` marks the tokens sampled by the learner's current version, pi_old (1.0) apart from
+    those sampled by older versions (0.0); None counts every token as current.
     Returns (loss, sums) where sums has STAT_NAMES plus "is_weight_max" (a max, not a sum).
     """
     if num_tokens <= 0:
@@ -353,6 +369,11 @@ def grpo_loss(
 
     with torch.no_grad():
         trained = loss_mask
+        # exp|log pi_old - log mu| (1 means identical), on the weights before this batch's steps:
+        # on tokens sampled at pi_old's own version it is the inference/training (engine)
+        # mismatch; on older tokens it adds the staleness shift of the updates since.
+        gap = torch.exp((old_logprobs - rollout_logprobs).abs()) * trained
+        current_mask = trained if current is None else trained * current
         sums = {
             "objective": objective.detach(),
             "kl": kl_sum.detach(),
@@ -360,8 +381,9 @@ def grpo_loss(
             "clip_high": ((adv > 0) & (rho > 1.0 + config.eps_high)).float().mul(trained).sum(),
             "is_weight": is_ratio.sum(),
             "is_truncated": over_cap.sum(),
-            # Inference/training mismatch: exp|log pi_theta - log mu| (1 means identical).
-            "mismatch": (torch.exp((logprobs - rollout_logprobs).abs()) * trained).sum(),
+            "mismatch": gap.sum(),
+            "mismatch_current": (gap * current_mask).sum(),
+            "tokens_current": current_mask.sum(),
             "tokens": trained.sum(),
             "is_weight_max": is_ratio.max() if is_ratio.numel() else torch.zeros(()),
         }

@@ -53,6 +53,14 @@ class FaultInjection(BaseModel):
         )
     )
     hold_step: int = Field(1, ge=1, description="The optimizer step `hold_at` applies to")
+    hold_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Hold at `hold_at` this many seconds, then go on (None: until killed): a step still "
+            "in flight when a run is stopped"
+        ),
+    )
 
 
 class LearnerServerConfig(BaseModel):

@@ -15,9 +15,10 @@ rewards equal: GRPO would learn nothing), "busy" (no buffer slot freed within ad
 
 Accounting: every accepted group belongs to the stream that last sent it. A step result goes to
 every open stream, but names to each only its own groups: the ids the step consumed and the ids
-dropped as stale when it took its batch. A failed step puts its groups back at the front of the
-buffer and says so (StepFailure.returned_group_ids); after max_step_attempts failures in a row a
-group is given up (abandoned_group_ids). A group sent again while it still waits (a client that
+dropped as stale when it took its batch. A failed step leaves the weights and optimizer state as
+they were before it (learner/trainer.py), puts its groups back at the front of the buffer and says
+so (StepFailure.returned_group_ids); after max_step_attempts failures in a row a group is given up
+(abandoned_group_ids). A group sent again while it still waits (a client that
 reconnected) is accepted again and moves to the new stream; a duplicate of a settled group is
 refused with what became of it in the receipt's detail.
 
@@ -71,6 +72,7 @@ from sciproto.server import server_info
 log = logging.getLogger(__name__)
 
 LEARNER_STATE_FILE = "learner_state.json"
+LOOP_STOP_TIMEOUT_S = 30.0  # how long aclose waits for a cancelled background task to end
 
 _STATUS_FROM_PB = {
     common_pb2.REWARD_STATUS_SCORED: RewardStatus.SCORED,
@@ -243,6 +245,7 @@ class LearnerServicer:
         self._reconcile_task: asyncio.Task[None] | None = None
         self._since_step = {"refused_stale": 0, "skipped_equal": 0, "refused_invalid": 0}
         self._step_lock = asyncio.Lock()  # one of: a train step + push, or a checkpoint save
+        self._closing = False  # set by aclose: the optimizer loop takes no further batch
         self._step_running = False
         self._progress = asyncio.Condition()  # notified after every step and stream change
         self._loop_task: asyncio.Task[None] | None = None
@@ -304,7 +307,14 @@ class LearnerServicer:
         return state
 
     async def aclose(self, timeout_s: float = 600.0) -> None:
-        """Finish the step in progress, stop the loop, save a final checkpoint."""
+        """Finish the step in progress, stop the loop, save a final checkpoint.
+
+        The loop takes no batch once closing starts: it could not be relied on to stop by
+        cancellation alone, since a cancel that lands as `buffer.take` returns a batch is lost
+        (asyncio.wait_for in Python 3.11), and the loop then waited for the step lock this method
+        holds while this method waited for the loop: the learner hung until SIGKILL, without its
+        final checkpoint."""
+        self._closing = True
         try:
             await asyncio.wait_for(self._step_lock.acquire(), timeout_s)
         except TimeoutError:
@@ -316,7 +326,10 @@ class LearnerServicer:
             for task in (self._loop_task, self._reconcile_task):
                 if task is not None:
                     task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    _, running = await asyncio.wait({task}, timeout=LOOP_STOP_TIMEOUT_S)
+                    if running:
+                        log.error("%s did not stop within %.0f s of being cancelled",
+                                  task.get_name(), LOOP_STOP_TIMEOUT_S)
             if self.trainer.step > 0:
                 path = await self._save_checkpoint_locked(self.config.run_dir)
                 log.info("final checkpoint %s", path)
@@ -345,6 +358,9 @@ class LearnerServicer:
                 )
                 continue
             wait_s = time.monotonic() - waited_from
+            if self._closing:  # the learner is stopping: no new step
+                self.buffer.put_back(groups)
+                return
             try:
                 async with self._step_lock:
                     self._step_running = True
@@ -489,11 +505,15 @@ class LearnerServicer:
             self._owner.pop(group_id, None)
 
     async def _fault_hold(self, point: str) -> None:
-        """learner.faults.hold_at: stop here (for a test to SIGKILL the process at this point)."""
+        """learner.faults.hold_at: stop here (for a test to SIGKILL the process at this point), or
+        wait learner.faults.hold_s seconds here (a step in flight for that long)."""
         faults = self.config.faults
         if faults.hold_at == point and self.trainer.step == faults.hold_step:
             log.warning("holding at %s of step %d (learner.faults.hold_at)", point, self.trainer.step)
-            await asyncio.Event().wait()
+            if faults.hold_s is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(faults.hold_s)
+            log.warning("held %.0f s at %s of step %d: going on", faults.hold_s, point, self.trainer.step)
 
     def _by_owner(self, group_ids: list[str]) -> dict[_Stream, set[str]]:
         """Every open stream with the ids among `group_ids` it owns (maybe none)."""

@@ -47,8 +47,16 @@ class StepMetrics(BaseModel):
     is_weight_mean: float = 0.0
     is_weight_max: float = 0.0
     is_frac_truncated: float = 0.0
-    # mean exp|log pi_theta - log mu|: 1.0 when trainer and rollout policies agree exactly.
+    # mean exp|log pi_old - log mu| over the trained tokens (pi_old: the learner's weights before
+    # this batch): 1.0 when the learner and the policy servers agree exactly. It mixes two things,
+    # reported apart: mismatch_engine over the tokens sampled at the learner's current version
+    # (the same weights on both sides, so only the engines differ: kernels, dtype, sampling), and
+    # staleness_shift over the tokens sampled by older versions (the updates since then, and the
+    # engine). None when the batch has no token of that kind; stale_token_frac the older share.
     mismatch: float = 0.0
+    mismatch_engine: float | None = None
+    staleness_shift: float | None = None
+    stale_token_frac: float = 0.0
     # Mean over the batch's optimizer steps, before clipping.
     grad_norm: float = 0.0
     # Optimizer steps on this batch (GRPOConfig.mini_batches, fewer when it has fewer sequences).
@@ -88,6 +96,16 @@ def _advantage_and_turn_stats(advantages: list[float], turn_prompts: list[int]) 
         stats["prompt_tokens_per_turn_mean"] = sum(turn_prompts) / len(turn_prompts)
         stats["prompt_tokens_per_turn_max"] = max(turn_prompts)
     return stats
+
+
+def _mismatch_split(totals: dict[str, float]) -> dict[str, float | None]:
+    current, stale = totals["tokens_current"], totals["tokens"] - totals["tokens_current"]
+    stale_sum = totals["mismatch"] - totals["mismatch_current"]
+    return {
+        "mismatch_engine": totals["mismatch_current"] / current if current else None,
+        "staleness_shift": stale_sum / stale if stale else None,
+        "stale_token_frac": stale / totals["tokens"],
+    }
 
 
 def _reward_stats(rewards: list[float]) -> dict[str, float]:
@@ -144,6 +162,7 @@ class GRPOTrainer:
         )
         self.step = 0
         self.policy_version = 0
+        self._snapshot = _Snapshot(self.optimizer)
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         model = prepare_model(model, self.config.precision)
@@ -171,6 +190,9 @@ class GRPOTrainer:
         has moved and the clip bounds the step. Reported: loss = sum_k (N_k / N) L_k (each token's
         loss at its own step), token statistics as means over all N tokens, grad_norm the mean of
         the K norms before clipping, optimizer_steps = K.
+
+        All or nothing: a batch that raises part-way leaves the weights, the AdamW state, `step`
+        and `policy_version` as they were before it (`_Snapshot` says why).
         """
         config = self.config
         plan = prepare_batch(groups, config)
@@ -203,7 +225,63 @@ class GRPOTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         is_weight_max = torch.zeros((), dtype=torch.float64)
         grad_norms: list[float] = []
-        for part, micro, part_old in zip(parts, micro_batches, old_logprobs, strict=True):
+        # A batch is all or nothing: if it fails after an optimizer step (a later mini-batch runs
+        # out of memory, a rank fails), the weights and AdamW state go back to the snapshot taken
+        # before its first step, so its groups are retried on the policy they were sampled from.
+        snapshot = self._snapshot if len(parts) > 1 else None
+        if snapshot is not None:
+            snapshot.take()
+        try:
+            self._optimizer_steps(parts, micro_batches, old_logprobs, plan.num_tokens,
+                                  sums, loss_sum, is_weight_max, grad_norms)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.restore()
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.step += 1
+        self.policy_version += 1
+
+        totals = dict(zip(STAT_NAMES, sums.tolist()))
+        tokens = totals["tokens"]
+        return StepMetrics(
+            step=self.step,
+            policy_version=self.policy_version,
+            trained=True,
+            loss=float(loss_sum),
+            kl=totals["kl"] / tokens,
+            entropy=totals["entropy"] / tokens,
+            clip_frac_low=totals["clip_low"] / tokens,
+            clip_frac_high=totals["clip_high"] / tokens,
+            is_weight_mean=totals["is_weight"] / tokens,
+            is_weight_max=float(is_weight_max),
+            is_frac_truncated=totals["is_truncated"] / tokens,
+            mismatch=totals["mismatch"] / tokens,
+            **_mismatch_split(totals),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            optimizer_steps=len(parts),
+            micro_batches=sum(len(micro) for micro in micro_batches),
+            **base,
+        )
+
+    def _optimizer_steps(
+        self,
+        parts: list[list[TrainSequence]],
+        micro_batches: list[list[tuple[MicroBatch, int]]],
+        old_logprobs: list[list[torch.Tensor] | None],
+        num_tokens: int,
+        sums: torch.Tensor,
+        loss_sum: torch.Tensor,
+        is_weight_max: torch.Tensor,
+        grad_norms: list[float],
+    ) -> None:
+        """The K optimizer steps of a batch, accumulating its statistics in place (all-reduced over
+        the ranks before the last step, so that the last optimizer step is the last thing that can
+        fail: with K = 1 a failure leaves the weights untouched without a snapshot)."""
+        config = self.config
+        last = len(parts) - 1
+        version = self.policy_version  # pi_old's: the tokens it sampled show the engine mismatch
+        for k, (part, micro, part_old) in enumerate(zip(parts, micro_batches, old_logprobs, strict=True)):
             part_tokens = sum(int(seq.loss_mask.sum()) for seq in part)  # N_k, all ranks together
             self.optimizer.zero_grad(set_to_none=True)
             for index, (batch, shared) in enumerate(micro):
@@ -221,45 +299,24 @@ class GRPOTrainer:
                     part_tokens,
                     config,
                     ref_logprobs,
+                    current=(batch.policy_versions == version).float(),
                 )
                 # FSDP2 averages gradients over ranks; the loss is already a share of the global
                 # sum, so scale by world size to make that average the sum.
                 (loss * self.context.world_size).backward()
                 stats["entropy"] = (entropy * batch.loss_mask).sum()
                 sums += torch.stack([stats[name].double().cpu() for name in STAT_NAMES])
-                loss_sum += loss.detach().double().cpu() * part_tokens / plan.num_tokens
-                is_weight_max = torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu())
+                loss_sum += loss.detach().double().cpu() * part_tokens / num_tokens
+                is_weight_max.copy_(torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu()))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
             grad_norms.append(float(grad_norm))
+            if k == last:
+                all_reduce(sums, dist.ReduceOp.SUM)
+                all_reduce(loss_sum, dist.ReduceOp.SUM)
+                all_reduce(is_weight_max, dist.ReduceOp.MAX)
             self.optimizer.step()
-        self.step += 1
-        self.policy_version += 1
-
-        all_reduce(sums, dist.ReduceOp.SUM)
-        all_reduce(loss_sum, dist.ReduceOp.SUM)
-        all_reduce(is_weight_max, dist.ReduceOp.MAX)
-        totals = dict(zip(STAT_NAMES, sums.tolist()))
-        tokens = totals["tokens"]
-        return StepMetrics(
-            step=self.step,
-            policy_version=self.policy_version,
-            trained=True,
-            loss=float(loss_sum),
-            kl=totals["kl"] / tokens,
-            entropy=totals["entropy"] / tokens,
-            clip_frac_low=totals["clip_low"] / tokens,
-            clip_frac_high=totals["clip_high"] / tokens,
-            is_weight_mean=totals["is_weight"] / tokens,
-            is_weight_max=float(is_weight_max),
-            is_frac_truncated=totals["is_truncated"] / tokens,
-            mismatch=totals["mismatch"] / tokens,
-            grad_norm=sum(grad_norms) / len(grad_norms),
-            optimizer_steps=len(parts),
-            micro_batches=sum(len(micro) for micro in micro_batches),
-            **base,
-        )
 
     def _micro_batches(self, part: list[TrainSequence]) -> list[tuple[MicroBatch, int]]:
         """This rank's micro-batches of a mini-batch, on the device, each with its shared prefix.
@@ -321,3 +378,75 @@ class GRPOTrainer:
                 converted[key] = tensor.to(self.push_dtype)
             result[name] = converted[key]
         return result
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), or the tensor itself; shares its memory."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _Snapshot:
+    """A copy, in host memory, of the weights and AdamW state before a batch's first optimizer step,
+    to put back if the batch fails part-way.
+
+    Why restore rather than count the partial update as a version: the failed batch's groups go
+    back to the buffer and are trained again; on weights that already took some of its mini-batch
+    steps they would be trained twice, under a pi_old that is no longer the policy that sampled
+    them, and the learner would hold weights no policy server serves and no checkpoint names.
+    Restoring makes a failed step leave no trace: the retry is the step that never failed.
+
+    Cost: one host copy of the fp32 weights and of AdamW's two moments (this rank's shards under
+    FSDP2) per batch, taken only when the batch makes more than one optimizer step; with one, that
+    step is the batch's last fallible operation and nothing needs undoing. The host buffers are
+    kept and refilled batch after batch (pinned when training on a GPU), so a snapshot costs a
+    copy, not an allocation.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        # The optimizer's parameters: under FSDP2 these are the sharded DTensors the optimizer
+        # updates, whereas model.parameters() can yield a module's unsharded parameters, whose
+        # memory FSDP2 frees when it reshards (copying into one crashed the process).
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.state: dict[nn.Parameter, dict[str, object]] = {}
+
+    def _copy(self, key: tuple[int, str], tensor: torch.Tensor) -> torch.Tensor:
+        source = _local(tensor).detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                                 pin_memory=source.device.type == "cuda")
+            self._buffers[key] = buffer
+        buffer.copy_(source, non_blocking=True)
+        return buffer
+
+    def take(self) -> None:
+        """Copy the weights and optimizer state as they are now."""
+        with torch.no_grad():
+            for number, param in enumerate(self.params):
+                self._copy((number, ""), param)
+            self.state = {
+                param: {k: self._copy((number, k), v) if torch.is_tensor(v) else v
+                        for k, v in self.optimizer.state[param].items()}
+                for number, param in enumerate(self.params)
+                if param in self.optimizer.state
+            }
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking copies have landed
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for number, param in enumerate(self.params):
+                _local(param).copy_(self._buffers[(number, "")])
+                if param not in self.state:  # the batch made its first step: no state before it
+                    self.optimizer.state.pop(param, None)
+                    continue
+                current = self.optimizer.state[param]
+                for key in set(current) - set(self.state[param]):
+                    del current[key]
+                for key, value in self.state[param].items():
+                    if torch.is_tensor(value) and torch.is_tensor(current.get(key)):
+                        _local(current[key]).copy_(value)
+                    else:  # a state entry the failed step replaced: the saved copy, on its device
+                        current[key] = value.to(_local(param).device, copy=True) if torch.is_tensor(value) else value

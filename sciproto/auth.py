@@ -89,6 +89,7 @@ METHOD_ROLES: dict[str, AuthRole] = {
         # checks that with require_role(AuthRole.GRADER).
         "Session": AuthRole.AGENT,
         "Verify": AuthRole.GRADER,
+        "Reference": AuthRole.GRADER,  # it reveals the answer
     }),
     **_service_methods(pb.POLICY_SERVICE, {
         "Describe": AuthRole.OBSERVER,

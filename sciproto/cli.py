@@ -156,13 +156,15 @@ OnlyOption = Annotated[list[str] | None, typer.Option("--only", help="Run only t
 
 
 def _run_conformance(kind: str, target: str, timeout: float, token: str | None, ca_cert: Path | None,
-                     as_json: bool, only: list[str] | None, env: str | None = None, close_wait: float = 10.0) -> None:
+                     as_json: bool, only: list[str] | None, env: str | None = None, close_wait: float = 10.0,
+                     semantic: bool = False, tasks_per_split: int = 2) -> None:
     from sciproto.channel import ChannelConfig, TlsClientConfig
     from sciproto.conformance import check_env, check_policy
 
     tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
     config = ChannelConfig(target=target, default_timeout_s=timeout, max_attempts=1, token=token, tls=tls)
-    run = (check_env(config, env=env, timeout_s=timeout, only=only, close_wait_s=close_wait) if kind == "env"
+    run = (check_env(config, env=env, timeout_s=timeout, only=only, close_wait_s=close_wait, semantic=semantic,
+                     tasks_per_split=tasks_per_split) if kind == "env"
            else check_policy(config, timeout_s=timeout, only=only))
     report = asyncio.run(run)
     typer.echo(report.to_json() if as_json else report.render())
@@ -180,9 +182,14 @@ def conformance_env(
     only: OnlyOption = None,
     close_wait: Annotated[float, typer.Option(help="Seconds the episodes of an ended or cancelled Session may"
                                                    " take to close")] = 10.0,
+    semantic: Annotated[bool, typer.Option("--semantic", help="Also check what the rewards mean: reference answers"
+                                                             " reach the top, empty and junk replies the baseline,"
+                                                             " seeds repeat, stored trajectories grade as live")] = False,
+    tasks_per_split: Annotated[int, typer.Option(min=1, help="Tasks of each split the semantic checks play")] = 2,
 ) -> None:
     """Run the environment-server checks; exit 1 if any fails."""
-    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env, close_wait)
+    _run_conformance("env", target, timeout, token, ca_cert, as_json, only, env, close_wait, semantic,
+                     tasks_per_split)
 
 
 @conformance_app.command("policy")
@@ -196,6 +203,34 @@ def conformance_policy(
 ) -> None:
     """Run the policy-server checks; exit 1 if any fails."""
     _run_conformance("policy", target, timeout, token, ca_cert, as_json, only)
+
+
+@app.command()
+def verify(
+    rollouts: Annotated[Path, typer.Argument(help="JSONL file written by `sciproto collect` or `train`")],
+    env: Annotated[str, typer.Option("--env", help="HOST:PORT of the EnvironmentService that grades them")],
+    tolerance: Annotated[float, typer.Option(min=0.0, help="Largest reward difference that still agrees")] = 1e-6,
+    concurrency: Annotated[int, typer.Option(min=1, help="Verify calls in flight at once")] = 16,
+    timeout: Annotated[float, typer.Option(help="Seconds each Verify may take")] = 60.0,
+    token: Annotated[str | None, typer.Option(envvar="SCIPROTO_TOKEN", help="Bearer token (role grader)")] = None,
+    ca_cert: Annotated[Path | None, typer.Option(help="PEM CA bundle: use TLS")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+) -> None:
+    """Re-score stored rollouts through Verify; list every disagreement; exit 1 if any."""
+    from clients.reverify import verify_rollouts
+    from sciproto.channel import ChannelConfig, TlsClientConfig
+
+    if not rollouts.is_file():
+        raise SystemExit(f"sciproto verify: {rollouts} is not a file; give a rollouts JSONL file")
+    tls = TlsClientConfig(ca_cert=ca_cert) if ca_cert else None
+    config = ChannelConfig(target=env, default_timeout_s=timeout, token=token, tls=tls)
+    try:
+        report = asyncio.run(verify_rollouts(rollouts, config, tolerance=tolerance, concurrency=concurrency,
+                                             timeout_s=timeout))
+    except ValueError as error:  # a line that is not a rollout record: its first line says which
+        raise SystemExit(f"sciproto verify: {str(error).splitlines()[0]}") from None
+    typer.echo(report.to_json() if as_json else report.render())
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command()

@@ -31,6 +31,7 @@ from env_servers.envs.source import (
     last_tool_argument,
     no_submission,
     require_fields,
+    submission,
 )
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "gsm8k"
@@ -225,6 +226,8 @@ class GSM8kSource(EnvironmentSource):
     )
 
     fork_mode = FORK_COPY  # the environment holds no state but its problem: a copy is exact
+    # A failed calculator call costs tool_failure_reward (-1); a wrong or missing answer earns 0.
+    reward_range = (-1.0, 1.0, 0.0)
 
     def __init__(self, options: GSM8kOptions) -> None:
         self.options = options
@@ -286,6 +289,13 @@ class GSM8kSource(EnvironmentSource):
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         # The summary reaches the agent (ResetResponse.task_summary): never the answer.
         return {"question": self._rows[split][index]["question"]}
+
+    def reference_actions(self, split: str, index: int) -> list[Message]:
+        """The dataset's answer (after "#### "): submitted, or in a text split the reply itself."""
+        answer = self._rows[split][index]["answer"].split("#### ")[-1].strip()
+        if split in TEXT_ANSWER_SPLITS:
+            return [Message(role="assistant", content=answer)]
+        return [submission(answer)]
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

@@ -44,6 +44,7 @@ from env_servers.envs.source import (
     last_tool_argument,
     no_submission,
     require_fields,
+    submission,
 )
 from env_servers.sandbox import Sandbox, SandboxLimits, SandboxMode, check_mode, describe_mode
 
@@ -411,6 +412,7 @@ class NotebookSource(EnvironmentSource):
     )
 
     fork_mode = FORK_REPLAY
+    reward_range = (0.0, 1.0, 0.0)  # with the default episode options (cell_reward 0)
 
     def __init__(self, options: NotebookOptions) -> None:
         self.options = options
@@ -506,6 +508,10 @@ class NotebookSource(EnvironmentSource):
 
     def unanswered_reward(self, env: Environment) -> tuple[float, RewardComponents]:
         return no_submission(0.0)
+
+    def reference_actions(self, split: str, index: int) -> list[Message]:
+        """The task's answer, submitted (the default tool actions)."""
+        return [submission(self._tasks[split][index].answer)]
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from aviary.core import Environment, Message, Tool, ToolRequestMessage
+from aviary.core import Environment, Message, Tool, ToolCall, ToolRequestMessage
 from aviary.tools.base import FunctionInfo
 
 # Size reported for a split whose dataset has no length (Aviary's infinite TaskDatasets).
@@ -32,6 +32,15 @@ def content_id(env: str, fields: Mapping[str, str]) -> str:
 
 class RescoreUnsupportedError(NotImplementedError):
     """The source cannot score a stored trajectory without replaying it."""
+
+
+class ReferenceUnsupportedError(NotImplementedError):
+    """The source has no reference answers to give."""
+
+
+def submission(answer: str) -> ToolRequestMessage:
+    """An assistant action calling submit_answer with `answer`."""
+    return ToolRequestMessage(tool_calls=[ToolCall.from_name("submit_answer", answer=answer)])
 
 
 class ForkUnsupportedError(NotImplementedError):
@@ -124,6 +133,10 @@ class EnvironmentSource(ABC):
     grader_version: str = "1"
     # How `fork` copies a live environment: FORK_COPY, FORK_REPLAY or FORK_UNSUPPORTED.
     fork_mode: str = FORK_UNSUPPORTED
+    # (min, max, baseline) of an episode's reward with the default episode options: the lowest
+    # and highest reward, and what an episode without a correct answer earns
+    # (EnvironmentInfo.reward_range); None: not declared.
+    reward_range: tuple[float, float, float] | None = None
 
     @property
     @abstractmethod
@@ -176,6 +189,11 @@ class EnvironmentSource(ABC):
     def task_summary(self, split: str, index: int) -> dict[str, str]:
         self.check_task(split, index)
         return self._summary_checked(split, index)
+
+    def reference_actions(self, split: str, index: int) -> list[Message]:
+        """The actions of an agent that knows the answer of this task (already checked), with the
+        default episode options, in order: a reference episode earns the top of `reward_range`."""
+        raise ReferenceUnsupportedError(f"environment {self.name!r} has no reference answers")
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

@@ -22,6 +22,7 @@ from env_servers.envs.source import (
 )
 
 SPLIT_SIZES = {"train": 512, "test": 64}
+REFERENCE_REPLY = "0123456789"  # digits only: reward 1 on every task
 
 NOUNS = ["apples", "birds", "cups", "doors", "eggs", "fish", "kites", "lamps", "maps", "pens"]
 TEMPLATES = [
@@ -133,6 +134,7 @@ class ToySource(EnvironmentSource):
     )
 
     fork_mode = FORK_COPY
+    reward_range = (0.0, 1.0, 0.0)
 
     def __init__(self, options: ToyOptions) -> None:
         self.options = options
@@ -150,6 +152,9 @@ class ToySource(EnvironmentSource):
 
     def _summary_checked(self, split: str, index: int) -> dict[str, str]:
         return {"question": task_prompt(split, index)}
+
+    def reference_actions(self, split: str, index: int) -> list[Message]:
+        return [Message(role="assistant", content=REFERENCE_REPLY)]
 
     async def fork(self, env: Environment) -> Environment:
         if not isinstance(env, DigitsEnv):

@@ -16,6 +16,9 @@ const TEMPLATES = [
   (n, noun) => `Number only, please: ${n} ${noun}`,
 ];
 
+// A reply every task scores 1 on: digits only.
+const REFERENCE_REPLY = "0123456789";
+
 const SUBMIT_ANSWER = {
   name: "submit_answer",
   description: "Submit your reply. This ends the episode.",
@@ -150,5 +153,6 @@ function taskId(prompt) {
 }
 
 module.exports = {
-  DESCRIPTION, DigitsEpisode, PROVENANCE, SPLIT_SIZES, SUBMIT_ANSWER, digitFraction, rescore, taskId, taskPrompt,
+  DESCRIPTION, DigitsEpisode, PROVENANCE, REFERENCE_REPLY, SPLIT_SIZES, SUBMIT_ANSWER, digitFraction, rescore, taskId,
+  taskPrompt,
 };

@@ -28,7 +28,7 @@ const ENV_NAME = "digits";
 const ENV_SERVICE = "sciproto.v1.EnvironmentService";
 const PROTO_ROOT = path.resolve(__dirname, "..", "..", "proto");
 const LOADER = { keepCase: false, longs: String, enums: String, defaults: true, oneofs: true };
-const CAPABILITIES = ["session", "session.cancel", "session.max_in_flight", "verify.episode", "verify.trajectory", "inline_tasks", "idempotent_requests"];
+const CAPABILITIES = ["session", "session.cancel", "session.max_in_flight", "verify.episode", "verify.trajectory", "inline_tasks", "idempotent_requests", "reference"];
 const MAX_MESSAGE_BYTES = 16 * 1024 * 1024;
 // Operations here finish before the next frame is read, so a stream never has one running when
 // another arrives: the limit is never reached, and a cancel never finds anything to stop.
@@ -196,6 +196,15 @@ class Environments {
     return { closed: this.episodes.delete(request.episodeId) };
   }
 
+  // The reference action of a task (added after protocol 1.2): a reply of digits only, which earns 1.
+  reference(request) {
+    if (!request.taskRef) {
+      throw fail(S.INVALID_ARGUMENT, "INVALID_REQUEST", "ReferenceRequest names no task: set task_ref {split, index}");
+    }
+    this.checkTask(request.env, request.taskRef);
+    return { actions: [{ role: "ROLE_ASSISTANT", content: digits.REFERENCE_REPLY }] };
+  }
+
   describe() {
     return {
       server: {
@@ -205,6 +214,7 @@ class Environments {
       },
       environments: [{
         name: ENV_NAME, description: digits.DESCRIPTION, tools: [digits.SUBMIT_ANSWER], provenance: digits.PROVENANCE,
+        rewardRange: { min: 0, max: 1, baseline: 0 },
         splits: Object.entries(digits.SPLIT_SIZES).map(([name, size]) => ({ name, size })),
       }],
       limits: {
@@ -389,6 +399,7 @@ function main() {
     Step: unary(environments, "step"),
     Verify: unary(environments, "verify"),
     Close: unary(environments, "close"),
+    Reference: unary(environments, "reference"),
     Session: session(environments),
   });
   const state = { status: "SERVING", watchers: new Set() };

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from sciproto.channel import ChannelConfig, make_channel
+from sciproto.conformance.env_semantic import TASKS_PER_SPLIT, SemanticChecks
 from sciproto.conformance.report import Report
 from sciproto.conformance.wire import (
     Check,
@@ -616,16 +617,23 @@ class EnvChecks:
 
 
 async def check_env(config: ChannelConfig, env: str | None = None, timeout_s: float = 30.0,
-                    only: list[str] | None = None, close_wait_s: float = CLOSE_ON_END_WAIT_S) -> Report:
+                    only: list[str] | None = None, close_wait_s: float = CLOSE_ON_END_WAIT_S,
+                    semantic: bool = False, tasks_per_split: int = TASKS_PER_SPLIT) -> Report:
     """Run the environment checks against `config.target` (a check runs at most `timeout_s`);
     `only`: names of the checks to run (describe always runs first); `close_wait_s`: how long the
-    episodes of an ended or cancelled Session may take to close."""
+    episodes of an ended or cancelled Session may take to close; `semantic`: also the checks of
+    what the environment's rewards mean (sciproto.conformance.env_semantic), on the first
+    `tasks_per_split` tasks of every split."""
     report = Report("env", config.target)
     # One attempt per call: the channel's own retries would hide what the server answered.
     async with make_channel(config.model_copy(update={"max_attempts": 1})) as channel:
         checks = EnvChecks(channel, env, timeout_s, close_wait_s)
-        selected = [(name, run) for name, run in checks.checks()
-                    if only is None or name == "describe" or name in only]
+        every = checks.checks()
+        meaning = SemanticChecks(channel, env, timeout_s, tasks_per_split).checks() if semantic else []
+        # `--only semantic`: every semantic check (and describe)
+        chosen = set(only or ()) | ({name for name, _ in meaning} if "semantic" in (only or ()) else set())
+        selected = [(name, run) for name, run in every + meaning
+                    if only is None or name == "describe" or name in chosen]
         try:
             await run_checks(report, selected, timeout_s)
         finally:

@@ -92,5 +92,5 @@ def test_node_env_server_reflection_serves_the_contract(node_env_server: ServerP
         service = pool.FindServiceByName("sciproto.v1.EnvironmentService")
         methods = {method.name for method in service.methods}
         reset = pool.FindMessageTypeByName("sciproto.v1.ResetRequest")
-    assert methods == {"Describe", "Reset", "Step", "Verify", "Close", "Session", "Fork"}
+    assert methods == {"Describe", "Reset", "Step", "Verify", "Close", "Session", "Fork", "Reference"}
     assert "task_ref" in reset.fields_by_name

@@ -57,6 +57,102 @@ FORK_MODE_UNSUPPORTED: ForkMode.ValueType  # 3
 Global___ForkMode: _TypeAlias = ForkMode  # noqa: Y015
 
 @_typing.final
+class ReferenceRequest(_message.Message):
+    """Asks for the reference actions of a task (added after protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    TASK_REF_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Client-chosen id."""
+    env: _builtins.str
+    """Environment name."""
+    @_builtins.property
+    def trace_context(self) -> _common_pb2.TraceContext:
+        """Trace context of the caller."""
+
+    @_builtins.property
+    def task_ref(self) -> Global___TaskRef:
+        """The dataset task."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        trace_context: _common_pb2.TraceContext | None = ...,
+        env: _builtins.str = ...,
+        task_ref: Global___TaskRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task_ref", b"task_ref", "trace_context", b"trace_context"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "request_id", b"request_id", "task_ref", b"task_ref", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReferenceRequest: _TypeAlias = ReferenceRequest  # noqa: Y015
+
+@_typing.final
+class ReferenceResponse(_message.Message):
+    """The reference actions of a task (added after protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
+        """Assistant actions to Step in order, starting right after Reset; the
+        episode ends on the last one (or earlier, when the environment ends it).
+        """
+
+    def __init__(
+        self,
+        *,
+        actions: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReferenceResponse: _TypeAlias = ReferenceResponse  # noqa: Y015
+
+@_typing.final
+class RewardRange(_message.Message):
+    """The rewards an environment's Verify gives a whole episode (added after protocol 1.2)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    min: _builtins.float
+    """The lowest reward any episode can get (a penalty may go below baseline)."""
+    max: _builtins.float
+    """The highest reward: what a reference (correct) episode earns."""
+    baseline: _builtins.float
+    """What an episode without a correct answer earns (min <= baseline <= max):
+    an agent that does nothing, or replies with garbage, earns no more.
+    """
+    def __init__(
+        self,
+        *,
+        min: _builtins.float = ...,
+        max: _builtins.float = ...,
+        baseline: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "max", b"max", "min", b"min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewardRange: _TypeAlias = RewardRange  # noqa: Y015
+
+@_typing.final
 class ForkRequest(_message.Message):
     """Copies a live episode (protocol 1.2)."""
 
@@ -203,6 +299,7 @@ class EnvironmentInfo(_message.Message):
     PROVENANCE_FIELD_NUMBER: _builtins.int
     FORK_FIELD_NUMBER: _builtins.int
     WARM_POOL_FIELD_NUMBER: _builtins.int
+    REWARD_RANGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name used in ResetRequest.env."""
     description: _builtins.str
@@ -229,6 +326,12 @@ class EnvironmentInfo(_message.Message):
         sandboxed kernels); unset where it keeps none. Added after protocol 1.2.
         """
 
+    @_builtins.property
+    def reward_range(self) -> Global___RewardRange:
+        """The rewards a graded episode can get (added after protocol 1.2); unset:
+        not declared.
+        """
+
     def __init__(
         self,
         *,
@@ -239,10 +342,11 @@ class EnvironmentInfo(_message.Message):
         provenance: _common_pb2.Provenance | None = ...,
         fork: Global___ForkMode.ValueType = ...,
         warm_pool: Global___WarmPool | None = ...,
+        reward_range: Global___RewardRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "reward_range", b"reward_range", "warm_pool", b"warm_pool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "fork", b"fork", "name", b"name", "provenance", b"provenance", "splits", b"splits", "tools", b"tools", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "fork", b"fork", "name", b"name", "provenance", b"provenance", "reward_range", b"reward_range", "splits", b"splits", "tools", b"tools", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -70,6 +70,11 @@ class EnvironmentServiceStub:
                 request_serializer=sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.SerializeToString,
                 response_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.FromString,
                 _registered_method=True)
+        self.Reference = channel.unary_unary(
+                '/sciproto.v1.EnvironmentService/Reference',
+                request_serializer=sciproto_dot_v1_dot_environment__service__pb2.ReferenceRequest.SerializeToString,
+                response_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ReferenceResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -131,6 +136,17 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reference(self, request, context):
+        """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+        knows the answer sends, in order, to solve it. For validating an environment
+        (a reference episode must earn the top of its reward range) and for
+        demonstrations. It reveals the answer, so it needs the grader role; an
+        environment without reference answers answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +184,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.FromString,
                     response_serializer=sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.SerializeToString,
+            ),
+            'Reference': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reference,
+                    request_deserializer=sciproto_dot_v1_dot_environment__service__pb2.ReferenceRequest.FromString,
+                    response_serializer=sciproto_dot_v1_dot_environment__service__pb2.ReferenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +381,33 @@ class EnvironmentService:
             '/sciproto.v1.EnvironmentService/Fork',
             sciproto_dot_v1_dot_environment__service__pb2.ForkRequest.SerializeToString,
             sciproto_dot_v1_dot_environment__service__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sciproto.v1.EnvironmentService/Reference',
+            sciproto_dot_v1_dot_environment__service__pb2.ReferenceRequest.SerializeToString,
+            sciproto_dot_v1_dot_environment__service__pb2.ReferenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

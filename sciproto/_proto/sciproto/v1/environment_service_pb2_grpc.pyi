@@ -59,6 +59,13 @@ class EnvironmentServiceStub:
     same task, same state, independent from then on. The fork counts against the
     caller's live-episode quota and is closed like any episode.
     """
+    Reference: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ReferenceRequest, _environment_service_pb2.ReferenceResponse]
+    """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+    knows the answer sends, in order, to solve it. For validating an environment
+    (a reference episode must earn the top of its reward range) and for
+    demonstrations. It reveals the answer, so it needs the grader role; an
+    environment without reference answers answers UNIMPLEMENTED.
+    """
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -87,6 +94,13 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     """Copies a live episode into a new episode at its current step (protocol 1.2):
     same task, same state, independent from then on. The fork counts against the
     caller's live-episode quota and is closed like any episode.
+    """
+    Reference: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ReferenceRequest, _environment_service_pb2.ReferenceResponse]  # type: ignore[assignment]
+    """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+    knows the answer sends, in order, to solve it. For validating an environment
+    (a reference episode must earn the top of its reward range) and for
+    demonstrations. It reveals the answer, so it needs the grader role; an
+    environment without reference answers answers UNIMPLEMENTED.
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -155,6 +169,19 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         """Copies a live episode into a new episode at its current step (protocol 1.2):
         same task, same state, independent from then on. The fork counts against the
         caller's live-episode quota and is closed like any episode.
+        """
+
+    @_abc_1.abstractmethod
+    def Reference(
+        self,
+        request: _environment_service_pb2.ReferenceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.ReferenceResponse, _abc.Awaitable[_environment_service_pb2.ReferenceResponse]]:
+        """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+        knows the answer sends, in order, to solve it. For validating an environment
+        (a reference episode must earn the top of its reward range) and for
+        demonstrations. It reveals the answer, so it needs the grader role; an
+        environment without reference answers answers UNIMPLEMENTED.
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
