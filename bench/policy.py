@@ -195,7 +195,7 @@ GROUP_PROMPT = ("Maria has 14 apples and buys 7 more. How many apples does she h
 
 async def sampled_group(client: PolicyClient, n: int, tokens: int, seed: int) -> tuple[float, float, int]:
     """One Generate of `n` samples: (seconds, seconds to the first streamed tokens, completion tokens)."""
-    request = generate_request(messages=[common_pb2.ChatMessage(role="user", content=GROUP_PROMPT)],
+    request = generate_request(messages=[common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content=GROUP_PROMPT)],
                                temperature=0.7, max_tokens=tokens, n=n, seed=seed)
     start = time.perf_counter()
     first = None
