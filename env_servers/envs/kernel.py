@@ -20,7 +20,9 @@ import contextlib
 import os
 import queue
 import secrets
+import signal
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,22 @@ class SandboxedKernel:
 
     def __init__(self, sandbox: Sandbox, process: SandboxedProcess, client: AsyncKernelClient) -> None:
         self.sandbox, self.process, self.client = sandbox, process, client
+        # A kernel its owner lost without stop() (an episode never closed) is released when it is
+        # collected: its client's sockets closed and its context destroyed (a ZeroMQ context that
+        # reaches the garbage collector with sockets open blocks the collecting thread in term()),
+        # and its sandbox killed.
+        self._held = {"client": client, "pid": process.process.pid}
+        weakref.finalize(self, _release, self._held)
+
+    @property
+    def client(self) -> AsyncKernelClient:
+        return self._client
+
+    @client.setter
+    def client(self, client: AsyncKernelClient) -> None:
+        self._client = client
+        if hasattr(self, "_held"):
+            self._held["client"] = client
 
     @classmethod
     async def start(cls, sandbox: Sandbox) -> SandboxedKernel:
@@ -212,13 +230,28 @@ class SandboxedKernel:
         await self.stop()
         fresh = await SandboxedKernel.start(self.sandbox)
         self.process, self.client = fresh.process, fresh.client
+        self._held["pid"] = fresh.process.process.pid
+        fresh._held.clear()  # this kernel owns them now
 
     async def stop(self) -> None:
         """Kill the sandbox (and every process in it); the client's sockets close."""
         with contextlib.suppress(Exception):
             self.client.stop_channels()
             self.client.context.destroy(linger=0)
+        self._held.clear()  # nothing left for the finalizer
         await self.process.kill()
+
+
+def _release(held: dict[str, Any]) -> None:
+    """The finalizer of a SandboxedKernel (see its __init__): synchronous, never raises."""
+    client, pid = held.pop("client", None), held.pop("pid", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.stop_channels()
+            client.context.destroy(linger=0)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _output(kind: str, content: dict[str, Any]) -> Any:

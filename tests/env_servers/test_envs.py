@@ -26,12 +26,14 @@ def call(tool: str, **arguments: object) -> ToolRequestMessage:
 
 
 def kernel_processes() -> list[psutil.Process]:
-    """Jupyter kernels started by this test process (the kernels themselves, not the bwrap
-    processes of their sandboxes)."""
+    """Jupyter kernels started by environments of this test process (the kernels themselves, not
+    the bwrap processes of their sandboxes; not the pooled kernels of env servers that other
+    tests' fixtures run as child processes: those live in their own server's scratch directory)."""
+    scratch = f"sciproto-env-{os.getpid()}-"
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if "ipykernel" in " ".join(child.cmdline()) and child.name() != "bwrap"
+        if "ipykernel" in (line := " ".join(child.cmdline())) and scratch in line and child.name() != "bwrap"
     ]
 
 

@@ -261,3 +261,28 @@ async def test_a_kernel_that_exits_before_it_is_ready_says_why(workspace: Path) 
         sandbox.remove()
     assert "before it was ready" in str(raised.value)
     assert "no kernel here: broken on purpose" in str(raised.value), str(raised.value)
+
+
+async def test_a_kernel_dropped_without_stop_is_closed_by_the_collector(workspace: Path) -> None:
+    """A kernel whose owner lost it (an episode that was never closed) must not take its process
+    with it: its ZeroMQ context used to reach the garbage collector with the client's sockets
+    still open, and the collector then blocked the server's thread in the context's term()."""
+    import gc
+    import threading
+    import weakref
+
+    sandbox = Sandbox(workspace, SandboxLimits(), "none")
+    kernel = await SandboxedKernel.start(sandbox)
+    pid = kernel.process.process.pid
+    context = weakref.ref(kernel.client.context)
+    del kernel
+    collected = threading.Event()
+    threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True).start()
+    assert await asyncio.to_thread(collected.wait, 60), "the garbage collector blocked on the kernel's context"
+    assert context() is None or context().closed
+    for _ in range(100):  # the finalizer's SIGKILL lands at once; reaping it may take a moment
+        if not _alive(pid):
+            break
+        await asyncio.sleep(0.1)
+    assert not _alive(pid), "the dropped kernel's process is still running"
+    sandbox.remove()
