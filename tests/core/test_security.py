@@ -321,6 +321,10 @@ async def test_token_files_are_re_read_so_tokens_rotate_and_revoke_without_a_res
         assert await accepted(new)
         server_file.write_text("too-short\n")  # an invalid file refuses its principal (fail closed)
         await settles(new, False)
+        # the server's output reaches the log file through a reader thread: give it a moment
+        deadline = time.monotonic() + 10
+        while "is refused until its token file is fixed" not in log.read_text() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         assert "is refused until its token file is fixed" in log.read_text()
 
         # A client channel with a token_file sends the file's current token.

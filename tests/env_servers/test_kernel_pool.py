@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from clients.env_client import EnvClient, EnvSession
+from env_servers.sandbox import _descendants
 from sciproto.pb import env_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import edit_cell, serve_env, text
@@ -104,19 +105,8 @@ async def test_the_pool_refills_after_a_burst_of_resets(pool_server: ServerProce
 
 def kernel_processes(server: ServerProcess) -> dict[int, str]:
     """The server's kernels (the Python process inside each sandbox): pid -> working directory."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
     found: dict[int, str] = {}
-    queue = list(children.get(server.process.pid, []))
-    while queue:
-        pid = queue.pop()
-        queue += children.get(pid, [])
+    for pid in _descendants(server.process.pid)[1:]:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             cwd = os.readlink(f"/proc/{pid}/cwd")
@@ -159,6 +149,7 @@ async def test_a_stopped_server_leaves_no_kernel_and_no_workspace() -> None:
         episode = (await client.reset("notebook", split="test", index=0, timeout=120)).episode_id
         step = await client.step(episode, edit_cell("import os\nprint('@@' + os.getcwd())"), timeout=120)
         workspace = next(line[2:] for line in text(list(step.observations)).splitlines() if line.startswith("@@"))
+        await wait_until_full(server.target)  # the Reset took a kernel; its replacement starts in the background
         kernels = kernel_processes(server)
         assert len(kernels) == POOL_SIZE + 1, kernels  # the pool's and the episode's
         server.process.send_signal(signal.SIGTERM)  # with the episode still open

@@ -8,25 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from clients.env_client import EnvClient
+from env_servers.sandbox import _descendants
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import edit_cell, serve_env, text
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        found.append(pid)
-        queue += children.get(pid, [])
-    return found
 
 
 def runtime_dirs(server: ServerProcess) -> set[Path]:
