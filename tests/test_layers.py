@@ -1,7 +1,7 @@
 """The import graph of the first-party packages: no circles, and no layer importing one above it.
 
 Every import counts: at module level, inside a function, under `if TYPE_CHECKING:`, and
-`importlib.import_module("literal.name")`. The layers (shared/DESIGN.md, "Layers"), lowest first:
+`importlib.import_module("literal.name")`. The layers, lowest first:
 
 - the core, `sciproto/`, imports none of the other four packages;
 - the client library, the modules of `clients/` that servers may use (`LIBRARY`), imports only
