@@ -75,11 +75,12 @@ def test_nothing_is_loaded_from_another_host(site: Path) -> None:
         assert "fonts.googleapis" not in text and "fonts.gstatic" not in text
 
 
-def test_strict_build_fails_on_a_broken_link_and_a_page_left_out(tmp_path: Path) -> None:
+def test_strict_build_fails_on_a_broken_link_a_broken_anchor_and_a_page_left_out(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     shutil.copytree(ROOT / "docs", docs)
     (docs / "orphan.md").write_text("# Not in the nav\n")
-    (docs / "index.md").write_text((docs / "index.md").read_text() + "\n[gone](no-such-page.md)\n")
+    faults = "\n[gone](no-such-page.md) [nowhere](concepts/loop.md#no-such-anchor)\n"
+    (docs / "index.md").write_text((docs / "index.md").read_text() + faults)
     config = (ROOT / "mkdocs.yml").read_text()
     config = config.replace("docs_dir: docs", f"docs_dir: {docs}")
     config = config.replace("  - scripts/docs/hooks.py", f"  - {ROOT / 'scripts/docs/hooks.py'}")
@@ -87,6 +88,7 @@ def test_strict_build_fails_on_a_broken_link_and_a_page_left_out(tmp_path: Path)
     built = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert built.returncode != 0
     assert "no-such-page.md" in built.stderr
+    assert "#no-such-anchor" in built.stderr
     assert "orphan.md" in built.stderr
 
 
