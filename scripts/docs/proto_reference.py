@@ -140,7 +140,9 @@ def render_file(file: descriptor_pb2.FileDescriptorProto) -> str:
 
 def proto_reference() -> str:
     """The Markdown of every sciproto contract file."""
-    return "\n".join(render_file(file) for file in compile_protos().file if file.name.startswith("sciproto/"))
+    ours = [file for file in compile_protos().file if file.name.startswith("sciproto/")]
+    ours.sort(key=lambda file: not file.service)  # the services first, then the shared types
+    return "\n".join(render_file(file) for file in ours)
 
 
 def implementers_guide() -> str:
