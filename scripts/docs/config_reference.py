@@ -208,8 +208,8 @@ def configuration_reference() -> str:
         render("eval", EvalConfig, seen),
         "## Environment options {#env-options}\n",
         ("`env.env_options.NAME` holds the options of the built-in environment NAME, given when the "
-         "server starts (`toy` takes none). Values are written as text and checked against these "
-         "models.\n"),
+         "server starts (`toy` takes none). Values are written as text, or as a list of names where "
+         "the option takes one, and checked against these models.\n"),
         render("gsm8k", GSM8kOptions, seen, title="env.env_options.gsm8k"),
         render("notebook", NotebookOptions, seen, title="env.env_options.notebook"),
         "## Per-episode options of the notebook {#episode-options}\n",
