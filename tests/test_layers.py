@@ -34,6 +34,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # The command line dispatches to every component; it imports each only when its sub-command runs.
     ("sciproto.cli", "clients.collect"): "command line",
     ("sciproto.cli", "clients.eval"): "command line",
+    ("sciproto.cli", "clients.reverify"): "command line",
     ("sciproto.cli", "clients.train"): "command line",
     ("sciproto.cli", "clients.viewer"): "command line",
     ("sciproto.cli", "env_servers.workers"): "command line",
