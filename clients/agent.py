@@ -118,9 +118,9 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(1.0, ge=0, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens with this mass")
     max_tokens: int = Field(256, ge=1, description="Most new tokens per turn")
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, description="A turn ends after any of these strings")
     seed: int | None = Field(None, description="Same seed, prompt and weights: same samples")
 
 

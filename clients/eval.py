@@ -75,11 +75,11 @@ class CheckpointServing(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="Base model spec; default: policy.model of the run's config.yaml")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the checkpoint is served in")
     threads: int = Field(0, ge=0, description="torch/OpenMP threads of the server (0: library default)")
-    start_timeout_s: float = Field(300.0, gt=0)
-    stop_timeout_s: float = Field(60.0, gt=0)
-    push_timeout_s: float = Field(300.0, gt=0)
+    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the server to announce its port")
+    stop_timeout_s: float = Field(60.0, gt=0, description="Longest wait after SIGTERM before SIGKILL")
+    push_timeout_s: float = Field(300.0, gt=0, description="Longest the checkpoint's weight push may take")
 
 
 class EvalConfig(BaseModel):

@@ -49,12 +49,12 @@ class RetryPolicy(BaseModel):
 class Deadlines(BaseModel):
     """Most seconds each call may take, per try."""
 
-    reset_s: float = Field(60.0, gt=0)
+    reset_s: float = Field(60.0, gt=0, description="Reset")
     step_s: float = Field(180.0, gt=0, description="Above the env server's own step timeout, so it reports first")
     generate_s: float = Field(300.0, gt=0, description="Whole Generate stream, all samples")
-    verify_s: float = Field(60.0, gt=0)
-    close_s: float = Field(10.0, gt=0)
-    describe_s: float = Field(10.0, gt=0)
+    verify_s: float = Field(60.0, gt=0, description="Verify")
+    close_s: float = Field(10.0, gt=0, description="Close")
+    describe_s: float = Field(10.0, gt=0, description="Describe")
 
 
 # Slack on top of the gRPC deadline, so the server's DEADLINE_EXCEEDED normally arrives first.

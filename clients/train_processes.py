@@ -12,19 +12,48 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import yaml
 
 from sciproto.processes import ServerProcess, sciproto_command, start_command
 
 if TYPE_CHECKING:
-    from clients.train import TrainConfig
+    from learner.server_config import LearnerServerConfig
 
 log = logging.getLogger(__name__)
 
 
-def write_component_config(config: TrainConfig, run_dir: Path, policy_target: str) -> Path:
+class ProcessOptions(Protocol):
+    """How the children start (`processes` of a run's config: `clients.train.ProcessSettings`)."""
+
+    start_timeout_s: float
+    stop_timeout_s: float
+    policy_threads: int
+    learner_threads: int
+    env_cpus: list[int]
+    policy_cpus: list[int]
+    learner_cpus: list[int]
+
+
+class StepBudget(Protocol):
+    max_steps: int | None
+
+
+class RunConfig(Protocol):
+    """What starting the servers reads of a run's config (`clients.train.TrainConfig`, a pydantic
+    model). A protocol, so that this module does not import the one that calls it."""
+
+    learner: LearnerServerConfig
+    budget: StepBudget
+    processes: ProcessOptions
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Self: ...
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]: ...
+
+
+def write_component_config(config: RunConfig, run_dir: Path, policy_target: str) -> Path:
     """The resolved config every child reads its own section of."""
     learner = config.learner.model_copy(
         update={
@@ -61,7 +90,7 @@ def serve_command(component: str, config_path: Path, cpus: Sequence[int] = (), p
     )
 
 
-def start_servers(config: TrainConfig, run_dir: Path) -> dict[str, ServerProcess]:
+def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
     """Env and policy servers (side by side), then the learner once the policy's port is known."""
     processes: dict[str, ServerProcess] = {}
     settings = config.processes

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -42,9 +42,34 @@ from sciproto.errors import (
 from sciproto.pb import env_pb2
 
 if TYPE_CHECKING:
-    from env_servers.service import EnvironmentService
+    from env_servers.config import EnvServerConfig
+    from env_servers.registry import EpisodeRegistry
 
 log = logging.getLogger("env_servers.session")
+
+
+class EpisodeOperations(Protocol):
+    """What a stream runs its operations on: the unary handlers of
+    `env_servers.service.EnvironmentService`, which opens the streams. A protocol, so that this
+    module does not import the one that imports it."""
+
+    config: EnvServerConfig
+    registry: EpisodeRegistry
+
+    async def reset(self, request: env_pb2.ResetRequest, *, context: grpc.aio.ServicerContext | None = None,
+                    detach: bool = True) -> env_pb2.ResetResponse: ...
+
+    async def step(self, request: env_pb2.StepRequest, *, context: grpc.aio.ServicerContext | None = None,
+                   detach: bool = True) -> env_pb2.StepResponse: ...
+
+    async def fork(self, request: env_pb2.ForkRequest, *, context: grpc.aio.ServicerContext | None = None,
+                   detach: bool = True) -> env_pb2.ForkResponse: ...
+
+    async def verify(self, request: env_pb2.VerifyRequest, *,
+                     context: grpc.aio.ServicerContext | None = None) -> env_pb2.VerifyResponse: ...
+
+    async def close(self, request: env_pb2.CloseRequest, *,
+                    context: grpc.aio.ServicerContext | None = None) -> env_pb2.CloseResponse: ...
 
 
 @dataclass
@@ -55,7 +80,7 @@ class _Running:
 
 
 class SessionStream:
-    def __init__(self, service: EnvironmentService, heartbeat_interval_s: float,
+    def __init__(self, service: EpisodeOperations, heartbeat_interval_s: float,
                  context: grpc.aio.ServicerContext | None = None, max_in_flight: int = 256) -> None:
         self.service = service
         self.context = context

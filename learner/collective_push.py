@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from clients.policy_client import distinct_tensors
-from learner.weight_push import PushResult
+from learner.push_types import PushResult
 from policy_server.rendezvous import CollectiveRendezvous
 from policy_server.weight_group import WeightGroup
 from policy_server.weights_stream import header_for

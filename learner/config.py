@@ -15,8 +15,8 @@ class GRPOConfig(BaseModel):
     # 3e-3 takes a tiny random byte-level model from ~0.05 to >0.9 mean reward on the
     # "digits only" toy task in ~25 steps of 16 groups x 8 samples; pretrained LLMs want ~1e-6.
     lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas")
     # PPO-style asymmetric clip ("clip higher"): rho is clipped to [1 - eps_low, 1 + eps_high].
     eps_low: float = Field(default=0.2, ge=0, lt=1)
     eps_high: float = Field(default=0.28, ge=0)
@@ -44,7 +44,7 @@ class GRPOConfig(BaseModel):
     # Upper bound of token positions in one forward/backward pass: sequences x padded length, with
     # a shared prefix (above) counted once.
     micro_batch_tokens: int = Field(default=4096, gt=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradients are clipped to this global norm")
     # Reference KL penalty (k3 estimator); 0 keeps no reference model.
     kl_coef: float = Field(default=0.0, ge=0)
     # DAPO's overlong filtering: a sample with a policy turn cut by its token limit (finish reason
@@ -53,7 +53,7 @@ class GRPOConfig(BaseModel):
     mask_truncated: bool = False
     # Train each assistant turn as its own sequence (long multi-turn episodes); same loss value.
     per_transition: bool = False
-    seed: int = 0
+    seed: int = Field(default=0, description="Seed of torch's generator when the trainer starts")
     # fp8 needs a CUDA GPU with compute capability >= 8.9; fp8-emulated runs the FP8 numerics
     # on any device (tests).
     precision: Literal["fp32", "bf16", "fp8", "fp8-emulated"] = "fp32"

@@ -1,6 +1,6 @@
 """Pushing the learner's weights to the policy servers after optimizer steps.
 
-Two transports share one interface, `WeightPusher`:
+Three transports share one interface, `WeightPusher` (`learner.push_types`):
 
 - "grpc" (`GrpcWeightPusher`, any machine): every policy server receives the full weights as an
   UpdateWeights stream of raw chunks, all servers concurrently. A server swaps its weights in
@@ -18,54 +18,15 @@ import asyncio
 import importlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import torch
-from pydantic import BaseModel
 
 from clients.policy_client import PolicyClient, push_weights_to_all
+from learner.push_types import PushResult, ReconcilingPusher, WeightPusher
 from learner.server_config import LearnerServerConfig
 from sciproto.channel import ServerAccess
 from sciproto.config import ConfigError
 from sciproto.errors import SciprotoError
-
-
-class PushResult(BaseModel):
-    """One push to every policy server."""
-
-    policy_version: int
-    seconds: float
-    servers: int
-
-
-class WeightPusher(Protocol):
-    """Sends new weights to every configured policy server."""
-
-    async def serving_versions(self) -> list[int]:
-        """The policy version each server serves now (Describe), in target order."""
-        ...
-
-    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushResult:
-        """Make every server serve `state_dict` as `version` (greater than what they serve);
-        raises the first failure once every push has ended."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-class ReconcilingPusher(WeightPusher, Protocol):
-    """A pusher that can also reach servers one by one, so the learner can bring a server that
-    fell behind (restarted, or missed a push) up to date without touching the others."""
-
-    async def versions_each(self, timeout_s: float) -> list[int | None]:
-        """Each target's serving version, None where it cannot be reached now."""
-        ...
-
-    async def push_to(
-        self, indices: Sequence[int], state_dict: Mapping[str, torch.Tensor], version: int
-    ) -> PushResult:
-        """Push to the targets at `indices` only."""
-        ...
 
 
 class GrpcWeightPusher:

@@ -120,7 +120,7 @@ class TokenEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     principal: str = Field(..., min_length=1, description="Name used in logs, limits and errors")
-    roles: list[AuthRole] = Field(..., min_length=1)
+    roles: list[AuthRole] = Field(..., min_length=1, description="agent, grader, trainer and/or observer")
     token_file: Path | None = Field(None, description="File holding the token, or several, one per line "
                                     "(during a rotation); re-read when it changes")
     token_env: str | None = Field(None, description="Environment variable holding the token")

@@ -35,8 +35,9 @@ class ServerConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="Interface to bind; loopback unless asked otherwise")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    max_receive_message_bytes: int = Field(64 * MiB, gt=0)
-    max_send_message_bytes: int = Field(64 * MiB, gt=0)
+    max_receive_message_bytes: int = Field(
+        64 * MiB, gt=0, description="Largest message a client may send (larger: RESOURCE_EXHAUSTED)")
+    max_send_message_bytes: int = Field(64 * MiB, gt=0, description="Largest message the server sends")
     keepalive_time_s: float = Field(30.0, gt=0, description="Ping an idle connection this often")
     keepalive_timeout_s: float = Field(10.0, gt=0, description="Drop a connection whose ping goes unanswered")
     grace_period_s: float = Field(10.0, ge=0, description="How long shutdown waits for in-flight calls")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the test suite: sets up .venv, a headless Chromium for the viewer test,
+# Run the test suite: sets up .venv, a headless Chromium for the viewer and documentation site tests,
 # bubblewrap for the notebook sandbox, gRPC C++ for the C++ client test, then pytest. Extra arguments go to pytest
 # (e.g. scripts/test.sh -k env).
 set -euo pipefail
@@ -16,9 +16,9 @@ apt_install() {
 }
 
 if ! command -v chromium >/dev/null 2>&1 && can_apt_install; then
-  echo "installing chromium for the viewer test"
+  echo "installing chromium for the viewer and documentation site tests"
   apt_install chromium \
-    || echo "chromium could not be installed; the viewer's browser test will be skipped" >&2
+    || echo "chromium could not be installed; the browser tests (viewer, documentation site) will be skipped" >&2
 fi
 
 # The notebook environment runs agent code in a bubblewrap sandbox; without bwrap its tests skip

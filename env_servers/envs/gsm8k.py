@@ -20,7 +20,7 @@ from typing import ClassVar
 from aviary.core import Environment, Message, Messages, Tool
 from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig
 from aviary.envs.gsm8k.env import SafeMathEvaluator
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from env_servers.envs.source import (
     FORK_COPY,
@@ -55,7 +55,7 @@ TEXT_ANSWER_SPLITS = frozenset(split for split in SPLITS if split.startswith("sh
 class GSM8kOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path = DATA_DIR
+    data_dir: Path = Field(default=DATA_DIR, description="Folder of the split files (<split>.jsonl)")
 
 
 def parse_answer_number(answer: str) -> float:

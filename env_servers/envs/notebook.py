@@ -103,7 +103,7 @@ class NotebookOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data_dir: Path = DATA_DIR
+    data_dir: Path = Field(default=DATA_DIR, description="Folder of tasks.jsonl and the tasks' data")
     cell_timeout_s: int = Field(default=60, gt=0, description="Wall time of one cell")
     cpu_seconds_per_cell: float = Field(default=60.0, gt=0, description="CPU time of one cell")
     max_output_chars: int = Field(default=100_000, gt=0, description="Output kept of one cell")

@@ -129,14 +129,14 @@ async def test_the_agent_resets_with_the_state_view_and_renders_each_turn_whole(
     assert turns == 2 and len(record.turn_finish_reasons) == 2
 
 
-def test_the_readme_step_group_config_is_a_valid_config() -> None:
+def test_the_documented_step_group_config_is_a_valid_config() -> None:
     import re
     from pathlib import Path
 
     import yaml
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL) if "grouping: step" in b]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "groups.md").read_text()
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", page, re.DOTALL) if "grouping: step" in b]
     config = TrainConfig.model_validate({"env": {"envs": ["notebook"]}, **yaml.safe_load(block)})
     assert config.rollout.grouping == "step" and config.rollout.options == {"observation": "state"}
     assert config.rollout.step_groups.grouping().fork_budget == 32

@@ -512,7 +512,7 @@ class ServerInfo(_message.Message):
 
     @_builtins.property
     def auth_roles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Roles (see the README) that calls on this server require; empty when
+        """Roles (see proto/README.md) that calls on this server require; empty when
         authentication is off.
         """
 

@@ -380,7 +380,7 @@ class OptimizerStepResult(_message.Message):
     """Whether the new weights have reached every policy server."""
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """Metrics of the step, by name (see the README for the list and units)."""
+        """Metrics of the step, by name (docs/reference/metrics.md lists them)."""
 
     @_builtins.property
     def consumed_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
