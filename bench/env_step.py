@@ -263,7 +263,7 @@ class _Requests:
     """The protobuf requests of one episode, built the way a client would (fresh ids)."""
 
     def __init__(self) -> None:
-        from clients.env_client import tool_calls_action
+        from sciproto.client.env import tool_calls_action
         from sciproto.pb import env_pb2
 
         self.pb = env_pb2
@@ -405,8 +405,8 @@ class EnvClientPool(System):
         self.name = name or self.name
 
     async def start(self) -> None:
-        from clients.env_client import EnvClient, tool_calls_action
-        from clients.replicas import ReplicaPool
+        from sciproto.client.env import EnvClient, tool_calls_action
+        from sciproto.client.replicas import ReplicaPool
         from sciproto.pb import ENV_SERVICE
 
         transport = self.transport

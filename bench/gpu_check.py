@@ -32,13 +32,13 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from clients.policy_client import PolicyClient, push_weights_to_all
+from sciproto.client.policy import PolicyClient, push_weights_to_all
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
 from policy_server.backends.transformers_backend import TransformersBackend
 from policy_server.config import PolicyServerConfig
-from policy_server.models import load_model
+from sciproto.models import load_model
 from policy_server.service import PolicyServicer, register
 from policy_server.types import GenerationRequest, SampleResult, SamplingParams
 from sciproto.pb import POLICY_SERVICE

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from clients.env_client import EnvClient, new_request_id
+from sciproto.client.env import EnvClient, new_request_id
 from sciproto.channel import ChannelConfig
 from sciproto.errors import SciprotoError
 from sciproto.pb import common_pb2

@@ -31,8 +31,8 @@ from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from clients.env_client import EnvClient, tool_calls_action
-from policy_server.models.smollm2 import load_smollm2_tokenizer
+from sciproto.client.env import EnvClient, tool_calls_action
+from sciproto.models.smollm2 import load_smollm2_tokenizer
 from sciproto.pb import common_pb2
 from sciproto.processes import start_server
 

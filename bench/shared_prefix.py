@@ -22,7 +22,7 @@ import time
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
-from policy_server.models import load_model
+from sciproto.models import load_model
 
 
 def groups_with_shared_prompts(vocab: int, prompt: int, groups: int, samples: int, seed: int = 0) -> list[RolloutGroup]:

@@ -10,7 +10,7 @@ first turn of the group is one Generate with `n` = the samples whose Reset gave 
 prompt + completion ids (`previous_token_ids`) with the whole transcript, so its tokens extend
 token for token (checked by `Trajectory.add_turn`).
 
-Failures: calls are retried within bounds (`clients.retries`); an episode whose env replica died
+Failures: calls are retried within bounds (`sciproto.client.retries`); an episode whose env replica died
 or stayed too slow starts again from Reset on another replica, at most `retries.episode_restarts`
 times; anything else the environment or the policy could not do ends the episode as an
 INFRA_ERROR rollout carrying the error text. Only a task the environment refuses (unknown
@@ -37,11 +37,11 @@ from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from clients.env_client import EnvClient
-from clients.policy_client import GenerationGroup, PolicyClient, generate_request, text_only
-from clients.replicas import Replica, ReplicaPool
-from clients.retries import Deadlines, RetryPolicy, call_with_deadline, with_retries
-from clients.rollouts import (
+from sciproto.client.env import EnvClient
+from sciproto.client.policy import GenerationGroup, PolicyClient, generate_request, text_only
+from sciproto.client.replicas import Replica, ReplicaPool
+from sciproto.client.retries import Deadlines, RetryPolicy, call_with_deadline, with_retries
+from sciproto.client.rollouts import (
     FinishReasonName,
     MessageRecord,
     RolloutGroup,

@@ -13,7 +13,7 @@ Servers that require a bearer token (`sciproto serve ... --auth FILE`) are reach
 named in `env_access` / `policy_access` (a file or an environment variable, never the token
 itself), e.g. `--set policy_access.token_env=POLICY_TOKEN`.
 
-`sciproto collect` writes one line per rollout (format: `clients.rollouts`) to the output file,
+`sciproto collect` writes one line per rollout (format: `sciproto.client.rollouts`) to the output file,
 appended and flushed as each group finishes; INFRA_ERROR rollouts go to
 `<stem>.failures.jsonl` (rewritten every run, so a rerun tries those tasks again); a rerun skips
 rollout ids already in the output and cuts a torn last line left by a crash. At the end it prints
@@ -55,8 +55,8 @@ from clients.agent import (
     policy_pool,
     run_group,
 )
-from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import (
+from sciproto.client.retries import Deadlines, RetryPolicy
+from sciproto.client.rollouts import (
     RolloutDetail,
     RolloutGroup,
     RolloutRecord,
@@ -112,7 +112,7 @@ class CollectConfig(BaseModel):
     progress: bool = Field(True, description="Show a progress bar")
     rollouts: RolloutDetail = Field("full", description=(
         "full: every token id, mask bit and logprob (what training needs); summary: the same lines"
-        " without those arrays, a fraction of the size (see clients.rollouts)"))
+        " without those arrays, a fraction of the size (see sciproto.client.rollouts)"))
 
     def agent_settings(self) -> AgentSettings:
         return AgentSettings(self.sampling, self.max_steps, self.max_tokens, self.retries, self.deadlines,

@@ -49,9 +49,9 @@ from clients.collect import (
     tasks_to_run,
 )
 from clients.eval_report import EndReason, PassReport, analyse_pass, curriculum_of
-from clients.policy_client import PolicyClient
-from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import RolloutRecord
+from sciproto.client.policy import PolicyClient
+from sciproto.client.retries import Deadlines, RetryPolicy
+from sciproto.client.rollouts import RolloutRecord
 from sciproto.channel import ServerAccess, make_channel
 from sciproto.config import load_config
 from sciproto.processes import ServerProcess, start_server

@@ -20,7 +20,7 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from clients.curriculum import Curriculum
-from clients.rollouts import RolloutRecord, RolloutStatus
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus
 from clients.summary import ks_for, pass_at_k
 
 # The tool message an env server writes for a call it could not run (env_servers.convert).

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from clients.agent import finish_despite_cancellation
-from clients.env_client import EnvClient
-from clients.retries import Deadlines, call_with_deadline
+from sciproto.client.env import EnvClient
+from sciproto.client.retries import Deadlines, call_with_deadline
 from sciproto.errors import SciprotoError
 from sciproto.pb import common_pb2, env_pb2
 

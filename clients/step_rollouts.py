@@ -37,8 +37,8 @@ from clients.agent import (
     TaskRejected,
     generate,
 )
-from clients.policy_client import GenerationGroup
-from clients.rollouts import (
+from sciproto.client.policy import GenerationGroup
+from sciproto.client.rollouts import (
     MessageRecord,
     RolloutGroup,
     RolloutRecord,

@@ -8,7 +8,7 @@ from math import comb
 
 from pydantic import BaseModel, Field
 
-from clients.rollouts import RolloutRecord, RolloutStatus
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

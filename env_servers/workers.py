@@ -1,7 +1,7 @@
 """`sciproto serve env --workers N`: N env server processes, one port each, for N cores.
 
 Each worker is a whole `sciproto serve env` with its own episodes; a client spreads episodes over
-the workers' addresses (`clients.replicas.ReplicaPool`, as `sciproto collect --env A --env B`
+the workers' addresses (`sciproto.client.replicas.ReplicaPool`, as `sciproto collect --env A --env B`
 does) and keeps each episode on the worker that opened it. Ports: `--port P` gives the workers
 P, P+1, ..., P+N-1; `--port 0` lets each pick a free one. Once every worker listens this
 process prints

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from clients.policy_client import PolicyClient
+from sciproto.client.policy import PolicyClient
 from learner.metrics import MetricsLogger
 from learner.server_config import LearnerServerConfig
 from learner.service import LearnerServicer
 from learner.trainer import GRPOTrainer
 from learner.weight_push import build_weight_pusher
-from policy_server.weights_stream import PROTO_TO_DTYPE
+from sciproto.weights.wire import PROTO_TO_DTYPE
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
@@ -36,7 +36,7 @@ def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> Le
 
 def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
     """The trainer over the same model the policy servers load (same spec and seed)."""
-    from policy_server.models import load_model
+    from sciproto.models import load_model
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -6,7 +6,7 @@ of the group, broadcasts the tensors in header order; each server receives them
 (`receive_weights_nccl`) and answers its call once they are installed.
 
 The orchestration is shared; a `Transfer` carries the tensors: `GlooTransfer` here
-(torch.distributed gloo on the CPU, `policy_server.weight_group`, which transformers-backend
+(torch.distributed gloo on the CPU, `sciproto.weights.group`, which transformers-backend
 servers join), `learner.vllm_sync.VllmNcclTransfer` on GPUs with vLLM servers.
 
 Failures: the push stops at the first failure of any server's call or of the broadcast, and
@@ -26,11 +26,11 @@ from typing import Protocol
 import grpc
 import torch
 
-from clients.policy_client import distinct_tensors
+from sciproto.client.policy import distinct_tensors
 from learner.push_types import PushResult
-from policy_server.rendezvous import CollectiveRendezvous
-from policy_server.weight_group import WeightGroup
-from policy_server.weights_stream import header_for
+from sciproto.weights.rendezvous import CollectiveRendezvous
+from sciproto.weights.group import WeightGroup
+from sciproto.weights.wire import header_for
 from sciproto.channel import ServerAccess, make_channel
 from sciproto.errors import Reason, Unavailable, from_rpc_error
 from sciproto.pb import policy_grpc, policy_pb2
@@ -55,7 +55,7 @@ class Transfer(Protocol):
 
 
 class GlooTransfer:
-    """`policy_server.weight_group` on the learner's side (rank 0)."""
+    """`sciproto.weights.group` on the learner's side (rank 0)."""
 
     def __init__(self, rendezvous: CollectiveRendezvous) -> None:
         self._group = WeightGroup(rendezvous, rank=0)

@@ -27,7 +27,8 @@ import torch
 
 from learner.collective_push import CollectiveWeightPusher
 from learner.server_config import LearnerServerConfig
-from policy_server.backends.vllm_backend import NcclRendezvous, import_vllm
+from sciproto.weights.rendezvous import CollectiveRendezvous as NcclRendezvous
+from sciproto.weights.vllm import import_vllm
 from sciproto.channel import ServerAccess
 from sciproto.errors import FailedPrecondition, Reason
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from clients.policy_client import PolicyClient, push_weights_to_all
+from sciproto.client.policy import PolicyClient, push_weights_to_all
 from learner.push_types import PushResult, ReconcilingPusher, WeightPusher
 from learner.server_config import LearnerServerConfig
 from sciproto.channel import ServerAccess

@@ -40,7 +40,7 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
     """The configured backend, and how its prompts are turned into token ids."""
     if config.backend == "transformers":
         from policy_server.backends.transformers_backend import TransformersBackend
-        from policy_server.models import load_model
+        from sciproto.models import load_model
         from policy_server.prompts import prompt_token_ids
 
         options = config.transformers

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig

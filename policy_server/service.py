@@ -15,7 +15,7 @@ or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, w
 hint) rather than queued, so a sender learns immediately that two writers target this server.
 A header with transport NCCL carries no data chunks: the tensors come over the learner's
 collective group and the backend's `receive_weights_nccl` takes them (vLLM: NCCL; transformers:
-the gloo group of `policy_server.weight_group`).
+the gloo group of `sciproto.weights.group`).
 
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
@@ -38,7 +38,7 @@ from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
-from policy_server.weights_stream import (
+from sciproto.weights.wire import (
     DTYPE_TO_PROTO,
     WeightsReceiver,
     check_header,

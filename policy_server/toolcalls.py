@@ -1,7 +1,7 @@
 """Hermes/Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 
 `parse_completion` turns completion text into tool calls; `render_tool_call` is the inverse, and
-the chat template in `policy_server.models.chat_template` writes the same text.
+the chat template in `sciproto.models.chat_template` writes the same text.
 """
 
 from __future__ import annotations

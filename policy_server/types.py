@@ -1,16 +1,22 @@
-"""Plain data types of the policy server: what a backend takes and gives back.
+"""Plain data types of the policy server: what a backend takes and gives back. The tensor specs of
+weight updates are the wire format's (`sciproto.weights.tensors`), named here for the backends.
 
 The gRPC layer maps these to and from protobuf; backends never see protobuf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import torch
+from sciproto.weights.tensors import (
+    TensorSpec,
+    WeightUpdateManifest,
+    dtype_from_name,
+    dtype_name,
+    validate_weight_update,
+)
 
 
 class FinishReason(str, Enum):
@@ -164,53 +170,3 @@ class BackendInfo:
     # Why the backend cannot sample now ("" when it can): an update failed after it began
     # changing the weights, so they may be half-loaded until a complete update succeeds.
     unavailable: str = ""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype (torch name without the "torch." prefix, e.g. "bfloat16")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class WeightUpdateManifest:
-    """Header of a weight update: the version it installs and the tensors it carries."""
-
-    version: int
-    tensors: list[TensorSpec]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name (e.g. float32, bfloat16)")  # noqa: TRY004 -- bad request content
-    return dtype
-
-
-def validate_weight_update(manifest: list[TensorSpec], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong
-    shape or dtype. A backend calls this before it touches any weight."""
-    expected = {spec.name: spec for spec in manifest}
-    missing = sorted(expected.keys() - tensors.keys())
-    if missing:
-        raise ValueError(f"weight update is missing tensor {missing[0]!r} ({len(missing)} missing)")
-    extra = sorted(tensors.keys() - expected.keys())
-    if extra:
-        raise ValueError(f"weight update has unexpected tensor {extra[0]!r} ({len(extra)} extra)")
-    for name, spec in expected.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != spec.shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {spec.shape}"
-            )
-        if dtype_name(tensor.dtype) != spec.dtype:
-            raise ValueError(
-                f"tensor {name!r} has dtype {dtype_name(tensor.dtype)}, expected {spec.dtype}"
-            )

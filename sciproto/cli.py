@@ -217,7 +217,7 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Re-score stored rollouts through Verify; list every disagreement; exit 1 if any."""
-    from clients.reverify import verify_rollouts
+    from sciproto.client.reverify import verify_rollouts
     from sciproto.channel import ChannelConfig, TlsClientConfig
 
     if not rollouts.is_file():

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from clients.collect import CollectConfig, run_collection
-from clients.policy_client import PolicyClient, generate_request
-from policy_server.models import load_model
+from sciproto.client.policy import PolicyClient, generate_request
+from sciproto.models import load_model
 from sciproto import pb
 from sciproto.channel import ChannelConfig, make_channel
 from sciproto.config import load_config

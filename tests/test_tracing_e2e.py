@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from clients.rollouts import RolloutRecord, read_rollouts
+from sciproto.client.rollouts import RolloutRecord, read_rollouts
 from sciproto import pb
 from sciproto.processes import ServerProcess, sciproto_command, start_server
 from sciproto.tracing import Attr, Operation, span_name

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.rollouts import read_rollouts
+from sciproto.client.rollouts import read_rollouts
 
 MIN_STEPS = 6  # enough for two separate windows
 WINDOW = 3  # steps averaged at each end of the run

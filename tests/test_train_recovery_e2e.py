@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clients.policy_client import PolicyClient
+from sciproto.client.policy import PolicyClient
 from clients.train import StepRecord, TrainConfig, TrainOutcome, run_rollouts_into_learner
 from sciproto.channel import make_channel
 from sciproto.pb import learner_grpc, learner_pb2

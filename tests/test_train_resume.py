@@ -63,7 +63,7 @@ def test_rerun_resumes_with_new_groups_only_and_stops_at_the_step_budget(tmp_pat
 
 def test_fresh_starts_in_the_next_free_numbered_directory_and_resume_in_the_latest_checkpointed(
         tmp_path: Path) -> None:
-    from clients.resume import LEARNER_STATE_FILE, choose_run_dir
+    from clients.train.resume import LEARNER_STATE_FILE, choose_run_dir
 
     assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"  # nothing there yet
     (tmp_path / "r" / "checkpoints" / "step_00000002").mkdir(parents=True)
@@ -76,8 +76,8 @@ def test_fresh_starts_in_the_next_free_numbered_directory_and_resume_in_the_late
 
 
 def test_resume_point_continues_after_the_trained_groups() -> None:
-    from clients.resume import ResumePoint, resume_point
-    from clients.rollouts import TaskKey
+    from clients.train.resume import ResumePoint, resume_point
+    from sciproto.client.rollouts import TaskKey
 
     trained = ["toy/train/0#0", "toy/train/1#0", "toy/train/0#1", "gsm8k/test/5#3", "toy/other/2#0"]
     point = resume_point(trained, "toy", "train", size=2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.rollouts import read_rollouts
+from sciproto.client.rollouts import read_rollouts
 from tests.conftest import NOTEBOOK_SANDBOX
 from tests.test_train_recovery_e2e import run_cli
 

@@ -6,7 +6,7 @@ sorting, a histogram of their rewards, and each rollout's transcript with its
 tool calls and tool outputs. Nothing is fetched from the internet.
 
 FILE is the rollout line format that `sciproto collect` writes and training
-reads (schema `sciproto.rollout/1`, documented in `clients/rollouts.py`).
+reads (schema `sciproto.rollout/1`, documented in `sciproto/client/rollouts.py`).
 INFRA_ERROR rollouts (the environment failed, or servers were unreachable)
 go to the failures file; the viewer shows them with their `error`.
 """

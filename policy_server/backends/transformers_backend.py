@@ -26,9 +26,9 @@ import torch
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
-from policy_server.models import LoadedModel
+from sciproto.models import LoadedModel
 from policy_server.prompts import prompt_token_ids
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -42,7 +42,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from policy_server.weight_group import WeightGroup
+from sciproto.weights.group import WeightGroup
 
 
 @dataclass
@@ -219,7 +219,7 @@ class TransformersBackend:
 
     async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
         """Take an update whose tensors the learner broadcasts over the gloo weight-transfer group
-        (`policy_server.weight_group`), in the order of `specs` (the header, already checked
+        (`sciproto.weights.group`), in the order of `specs` (the header, already checked
         against the manifest). They land in fresh tensors; the swap is `update_weights`, so a
         transfer that fails or times out leaves the old weights serving."""
         group = self._weight_group

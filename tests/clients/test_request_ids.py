@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from clients.env_client import new_request_id
+from sciproto.client.env import new_request_id
 
 
 def test_request_ids_are_unique_and_a_forked_child_starts_its_own() -> None:

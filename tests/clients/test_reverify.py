@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient, tool_calls_action
-from clients.rollouts import MessageRecord, RolloutRecord, RolloutStatus, status_from_pb
+from sciproto.client.env import EnvClient, tool_calls_action
+from sciproto.client.rollouts import MessageRecord, RolloutRecord, RolloutStatus, status_from_pb
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, sciproto_command
 from tests.env_servers.answers import expected_answer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.rollouts import (
+from sciproto.client.rollouts import (
     RolloutRecord,
     RolloutStatus,
     TokenDriftError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clients.collect import main
-from clients.rollouts import read_rollouts
+from sciproto.client.rollouts import read_rollouts
 from clients.train import group_to_pb
 from learner.service import group_from_pb
 from sciproto.pb import policy_pb2

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from clients.env_client import EnvClient, tool_calls_action
+from sciproto.client.env import EnvClient, tool_calls_action
 from clients.step_groups import StepGrouping, run_step_groups
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess

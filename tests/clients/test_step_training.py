@@ -11,13 +11,13 @@ import pytest
 
 from clients.agent import AgentSettings, Sampling, env_pool, policy_pool
 from clients.collect import collect
-from clients.resume import ResumePoint, resume_point
-from clients.retries import Deadlines, RetryPolicy
-from clients.rollouts import TaskKey
+from clients.train.resume import ResumePoint, resume_point
+from sciproto.client.retries import Deadlines, RetryPolicy
+from sciproto.client.rollouts import TaskKey
 from clients.step_groups import StepGrouping
 from clients.step_rollouts import run_step_task
 from clients.train import TrainConfig, group_to_pb, with_epoch
-from clients.train_flow import Flow
+from clients.train.flow import Flow
 from learner.config import GRPOConfig
 from learner.grpo import pad_right, prepare_batch
 from learner.prefix import shared_prefix_length
@@ -146,7 +146,7 @@ def test_sciproto_collect_writes_step_groups_and_a_rerun_skips_the_tasks_it_has(
     servers: tuple[ServerProcess, ServerProcess], tmp_path,
 ) -> None:
     from clients.collect import main
-    from clients.rollouts import read_rollouts
+    from sciproto.client.rollouts import read_rollouts
 
     env_server, policy_server = servers
     output = tmp_path / "steps.jsonl"

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from clients.train_display import Progress, RunStatus, stall_cause
-from clients.train_flow import GroupLedger
+from clients.train.display import Progress, RunStatus, stall_cause
+from clients.train.flow import GroupLedger
 from sciproto.pb import learner_pb2
 
 

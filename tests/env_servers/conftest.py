@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient, tool_calls_action
+from sciproto.client.env import EnvClient, tool_calls_action
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, start_server
 from tests.conftest import NOTEBOOK_SANDBOX

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient
+from sciproto.client.env import EnvClient
 from sciproto.channel import ChannelConfig
 from sciproto.errors import NotFound, PermissionDenied, Reason, ResourceExhausted, Unauthenticated
 from sciproto.pb import common_pb2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient
+from sciproto.client.env import EnvClient
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import LOG_DIR, serve_env
 

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from clients.env_client import EnvClient, new_request_id, tool_calls_action
+from sciproto.client.env import EnvClient, new_request_id, tool_calls_action
 from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients.env_client import EnvClient, new_request_id, tool_calls_action
+from sciproto.client.env import EnvClient, new_request_id, tool_calls_action
 from sciproto.errors import FailedPrecondition, NotFound, Reason
 from sciproto.pb import common_pb2, env_pb2
 from sciproto.processes import ServerProcess

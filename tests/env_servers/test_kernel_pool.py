@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient, EnvSession
+from sciproto.client.env import EnvClient, EnvSession
 from env_servers.sandbox import _descendants
 from sciproto.pb import env_pb2
 from sciproto.processes import ServerProcess

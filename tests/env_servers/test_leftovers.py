@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from clients.env_client import EnvClient
+from sciproto.client.env import EnvClient
 from env_servers.sandbox import _descendants
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import edit_cell, serve_env, text

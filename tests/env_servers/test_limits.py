@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients.env_client import EnvClient, tool_calls_action
+from sciproto.client.env import EnvClient, tool_calls_action
 from sciproto.errors import FailedPrecondition, NotFound, Reason, ResourceExhausted
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from clients.env_client import EnvClient
+from sciproto.client.env import EnvClient
 from sciproto.errors import InvalidArgument, Reason
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from aviary.core import ToolCall, ToolRequestMessage
 
-from clients.env_client import EnvClient, tool_calls_action
+from sciproto.client.env import EnvClient, tool_calls_action
 from env_servers.catalog import load_source
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python

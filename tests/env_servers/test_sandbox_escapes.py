@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from clients.env_client import EnvClient, EnvSession, tool_calls_action
+from sciproto.client.env import EnvClient, EnvSession, tool_calls_action
 from sciproto.pb import common_pb2, env_pb2
 from sciproto.processes import ServerProcess
 from tests.conftest import BWRAP_PROBLEM

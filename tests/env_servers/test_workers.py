@@ -13,8 +13,8 @@ from collections import Counter
 import psutil
 import pytest
 
-from clients.env_client import EnvClient
-from clients.replicas import ReplicaPool
+from sciproto.client.env import EnvClient
+from sciproto.client.replicas import ReplicaPool
 from sciproto.pb import ENV_SERVICE, common_pb2
 from sciproto.processes import ServerProcess, start_server
 

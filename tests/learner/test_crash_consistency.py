@@ -27,7 +27,7 @@ from test_learner_service import (
     start_learner,
 )
 
-from clients.train_flow import GroupLedger
+from clients.train.flow import GroupLedger
 from learner.metrics import read_metrics
 from learner.service import LEARNER_STATE_FILE, latest_learner_checkpoint
 from sciproto.channel import make_channel

@@ -5,9 +5,9 @@ import pytest
 import pytest_asyncio
 from policy_service_helpers import policy_server_process
 
-from clients.policy_client import PolicyClient
+from sciproto.client.policy import PolicyClient
 from policy_server.backends.transformers_backend import TransformersBackend
-from policy_server.models import LoadedModel, load_model
+from sciproto.models import LoadedModel, load_model
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
 from sciproto.processes import ServerProcess
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from clients.policy_client import PolicyClient
-from policy_server.models import LoadedModel, load_model
+from sciproto.client.policy import PolicyClient
+from sciproto.models import LoadedModel, load_model
 from sciproto.processes import ServerProcess, start_server
 
 SEED = 3  # the served tiny model's seed; the tests rebuild the same weights in-process

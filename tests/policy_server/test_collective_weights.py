@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from policy_service_helpers import policy_server_process, reference_logprobs, reference_model
 
 from learner.collective_push import CollectiveWeightPusher, GlooTransfer
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.errors import Unavailable
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 

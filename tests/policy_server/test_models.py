@@ -1,9 +1,9 @@
 import torch
 from gguf import GGUFReader
 
-from policy_server.models import load_model
-from policy_server.models.byte_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
-from policy_server.models.smollm2 import smollm2_gguf_path
+from sciproto.models import load_model
+from sciproto.models.byte_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
+from sciproto.models.smollm2 import smollm2_gguf_path
 from policy_server.prompts import render_chat
 from policy_server.types import ChatMessage, ToolCall
 

@@ -13,7 +13,7 @@ from policy_service_helpers import (
     wait_until_idle,
 )
 
-from clients.policy_client import PolicyClient, generate_request
+from sciproto.client.policy import PolicyClient, generate_request
 from sciproto.errors import DeadlineExceeded, InvalidArgument, Reason, Unimplemented
 from sciproto.pb import common_pb2, policy_pb2
 from sciproto.version import PROTOCOL_VERSION

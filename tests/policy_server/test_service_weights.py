@@ -12,13 +12,13 @@ import pytest
 import torch
 from policy_service_helpers import SEED, reference_logprobs, reference_model
 
-from clients.policy_client import (
+from sciproto.client.policy import (
     PolicyClient,
     distinct_tensors,
     generate_request,
     push_weights_to_all,
 )
-from policy_server.weights_stream import header_for, weights_sha256
+from sciproto.weights.wire import header_for, weights_sha256
 from sciproto.errors import (
     FailedPrecondition,
     InvalidArgument,

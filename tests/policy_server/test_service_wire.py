@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy_server.weights_stream import data_message_wire, parse_request
+from sciproto.weights.wire import data_message_wire, parse_request
 from sciproto.pb import policy_pb2
 
 

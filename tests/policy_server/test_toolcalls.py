@@ -1,6 +1,6 @@
 import json
 
-from policy_server.models.byte_tokenizer import build_byte_tokenizer
+from sciproto.models.byte_tokenizer import build_byte_tokenizer
 from policy_server.toolcalls import parse_completion, render_tool_call
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from policy_server.backends.transformers_backend import TransformersBackend
-from policy_server.models import load_model
+from sciproto.models import load_model
 from policy_server.types import ChatMessage, GenerationRequest, SampleResult, SamplingParams
 
 

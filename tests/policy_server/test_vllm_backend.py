@@ -29,7 +29,7 @@ from policy_server.backends.vllm_backend import (
     version_spans,
 )
 from policy_server.config import PolicyServerConfig
-from policy_server.models import load_model, model_directory
+from sciproto.models import load_model, model_directory
 from policy_server.prompts import prompt_token_ids
 from policy_server.types import (
     ChatMessage,

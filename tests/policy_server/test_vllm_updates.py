@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policy_server.backends.vllm_backend import Platform, VllmBackend, VllmOptions, VllmTypes
 from policy_server.config import PolicyServerConfig
-from policy_server.models import load_model
-from policy_server.rendezvous import CollectiveRendezvous
+from sciproto.models import load_model
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.service import PolicyServicer, register
 from policy_server.types import (
     GenerationRequest,

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from clients.policy_client import distinct_tensors
-from policy_server.models import load_model
-from policy_server.weights_stream import (
+from sciproto.client.policy import distinct_tensors
+from sciproto.models import load_model
+from sciproto.weights.wire import (
     chunk_parts,
     data_message_wire,
     header_for,

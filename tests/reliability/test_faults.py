@@ -20,10 +20,10 @@ from typing import Self
 import pytest
 from reliability_servers import ARTIFACTS
 
-from clients.env_client import EnvClient, new_request_id
-from clients.policy_client import PolicyClient, distinct_tensors, generate_request
-from policy_server.models import load_model
-from policy_server.weights_stream import (
+from sciproto.client.env import EnvClient, new_request_id
+from sciproto.client.policy import PolicyClient, distinct_tensors, generate_request
+from sciproto.models import load_model
+from sciproto.weights.wire import (
     chunk_parts,
     data_message_wire,
     header_for,

@@ -29,9 +29,9 @@ from proto_strategies import (
 )
 from reliability_servers import RECEIVE_LIMIT_BYTES, Tally, health_status
 
-from clients.policy_client import distinct_tensors
-from policy_server.models import load_model
-from policy_server.weights_stream import chunk_parts, data_message_wire, header_for
+from sciproto.client.policy import distinct_tensors
+from sciproto.models import load_model
+from sciproto.weights.wire import chunk_parts, data_message_wire, header_for
 from sciproto import errors
 from sciproto.pb import (
     common_pb2,

@@ -2,7 +2,7 @@
 
 A configuration model only, without torch, so that reading a policy server's configuration (as
 `sciproto train` does before it starts anything) does not import torch; the group itself is
-`policy_server.weight_group`.
+`sciproto.weights.group`.
 """
 
 from __future__ import annotations

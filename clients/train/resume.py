@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clients.rollouts import TaskKey
+from sciproto.client.rollouts import TaskKey
 
 LEARNER_STATE_FILE = "learner_state.json"  # as learner.service writes it
 _STEP_DIR = re.compile(r"step_(\d+)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from policy_server.models.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
+from sciproto.models.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
 
 # Enough for the notebook env's first prompt (its instruction and tool specs: 2157 byte tokens)
 # and a few steps of its state view.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.resume import LEARNER_STATE_FILE, latest_checkpoint
+from clients.train.resume import LEARNER_STATE_FILE, latest_checkpoint
 from learner.metrics import METRICS_FILE, read_metrics
 
 

@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from policy_server.models.chat_template import chatml_tool_template
+from sciproto.models.chat_template import chatml_tool_template
 
 # The system text SmolLM2's own chat template inserts when a conversation has none.
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -1,5 +1,5 @@
 """Models the policy server can serve, with their tokenizers and chat templates."""
 
-from policy_server.models.loading import LoadedModel, load_model, model_directory
+from sciproto.models.loading import LoadedModel, load_model, model_directory
 
 __all__ = ["LoadedModel", "load_model", "model_directory"]

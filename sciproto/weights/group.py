@@ -2,7 +2,7 @@
 torch.distributed's gloo backend (CPU), and the rules both ends follow. vLLM servers join vLLM's
 own NCCL group instead (`policy_server.backends.vllm_backend`); the rules are the same:
 
-- Group (`policy_server.rendezvous.CollectiveRendezvous`): the learner is rank 0 and hosts the rendezvous store (a TCPStore on
+- Group (`sciproto.weights.rendezvous.CollectiveRendezvous`): the learner is rank 0 and hosts the rendezvous store (a TCPStore on
   `master_address:master_port`); each server's receiving ranks are rank_offset ..
   rank_offset + ranks - 1; `world_size` counts them all. Both ends read one `CollectiveRendezvous`.
 - Generations: the learner names the group it opens in the store (`GENERATION_KEY`, a value unique
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from policy_server.rendezvous import CollectiveRendezvous
-from policy_server.types import TensorSpec
-from policy_server.weights_stream import WeightsReceiver, chunk_parts
+from sciproto.weights.rendezvous import CollectiveRendezvous
+from sciproto.weights.tensors import TensorSpec
+from sciproto.weights.wire import WeightsReceiver, chunk_parts
 
 GENERATION_KEY = "sciproto/weights/generation"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from policy_server.models.chat_template import chatml_tool_template
+from sciproto.models.chat_template import chatml_tool_template
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

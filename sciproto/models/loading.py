@@ -18,10 +18,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from policy_server.models.byte_tokenizer import build_byte_tokenizer
-from policy_server.models.chat_template import chatml_tool_template
-from policy_server.models.smollm2 import load_smollm2_model, load_smollm2_tokenizer
-from policy_server.models.tiny import TINY_MAX_CONTEXT, build_tiny_model
+from sciproto.models.byte_tokenizer import build_byte_tokenizer
+from sciproto.models.chat_template import chatml_tool_template
+from sciproto.models.smollm2 import load_smollm2_model, load_smollm2_tokenizer
+from sciproto.models.tiny import TINY_MAX_CONTEXT, build_tiny_model
 
 MODEL_SPECS_HELP = '"tiny", "smollm2", or the path of a local Hugging Face model directory'
 

@@ -150,7 +150,7 @@ class PolicyClient:
         `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it.
         `provenance` (model id, run id, `weights_sha256` of the tensors) is checked by the server
         before it swaps."""
-        from policy_server.weights_stream import (
+        from sciproto.weights.wire import (
             chunk_parts,
             data_message_wire,
             header_for,

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from policy_server.types import TensorSpec, dtype_name
+from sciproto.weights.tensors import TensorSpec, dtype_name
 from sciproto.errors import FailedPrecondition, InvalidArgument, Reason
 from sciproto.pb import policy_pb2
 from sciproto.units import MiB

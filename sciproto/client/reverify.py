@@ -21,8 +21,8 @@ from pathlib import Path
 
 import grpc
 
-from clients.env_client import EnvClient
-from clients.rollouts import RolloutRecord, RolloutStatus, read_rollouts, status_from_pb
+from sciproto.client.env import EnvClient
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus, read_rollouts, status_from_pb
 from sciproto.channel import ChannelConfig
 from sciproto.errors import SciprotoError
 from sciproto.pb import env_pb2

@@ -1,0 +1,251 @@
+"""The configuration of `sciproto train`: one file configures every component (`env`, `policy`,
+`learner` are the servers' own sections) and the run around them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from clients.agent import ResetOptions, Sampling
+from clients.curriculum import read_curriculum
+from clients.step_rollouts import StepGroupSettings
+from env_servers.catalog import check_name
+from env_servers.config import EnvServerConfig
+from learner.server_config import LearnerServerConfig
+from policy_server.config import PolicyServerConfig
+from sciproto.client.retries import Deadlines, RetryPolicy
+from sciproto.client.rollouts import RolloutDetail
+from sciproto.config import ConfigError, load_config
+
+
+class RunSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("demo", description="Run name; the run directory is <dir>/<name>")
+    dir: Path = Field(Path("runs"), description="Parent of run directories")
+    resume: bool = Field(
+        True,
+        description=(
+            "Continue the latest run of this name that holds a checkpoint (<dir>/<name> or its"
+            " highest <name>-N); false (`sciproto train --fresh`) starts over, in a numbered"
+            " sibling (<name>-2, ...) when <dir>/<name> is taken"
+        ),
+    )
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int | None = Field(
+        30, ge=1, description="Stop after this many optimizer steps (learner total)"
+    )
+    max_seconds: float | None = Field(
+        None, gt=0, description="Stop after this many seconds of training"
+    )
+    # Once a policy scores near the maximum, most groups carry no signal (all rewards equal) and
+    # each further step waits long for data: a run that reached its goal may as well stop.
+    target_reward: float | None = Field(
+        None, description="Stop once the mean reward of the last `target_window` steps reaches this"
+    )
+    target_window: int = Field(3, ge=1, description="Steps averaged for target_reward")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> Budget:
+        if self.max_steps is None and self.max_seconds is None:
+            raise ValueError(
+                "budget needs max_steps or max_seconds (or both); an unbounded run never ends"
+            )
+        return self
+
+
+class RolloutSettings(BaseModel):
+    """The in-process rollout client."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: str = Field("toy:train", description="ENV:SPLIT, cycled over")
+    curriculum: Path | None = Field(
+        None,
+        description="A curriculum file (`sciproto eval --write-curriculum`): cycle over its tasks of the split only",
+    )
+    samples: int = Field(8, ge=2, description="Samples per task: one GRPO group (grouping trajectory)")
+    grouping: Literal["trajectory", "step"] = Field(
+        "trajectory",
+        description=(
+            "trajectory: a group is `samples` whole episodes of a task; step: a group is the"
+            " alternatives of one step, sampled on forks of the episode (see step_groups)"
+        ),
+    )
+    step_groups: StepGroupSettings = Field(default_factory=StepGroupSettings)
+    observation: Literal["history", "state"] | None = Field(
+        None,
+        description=(
+            "The notebook env's context policy, sent with every Reset (unset: the env's default,"
+            " history); state needs grouping step"
+        ),
+    )
+    reset_options: ResetOptions = Field(
+        default_factory=dict,
+        description=(
+            "More per-episode env options sent with every Reset (notebook: action: code, cell_reward: 0.1);"
+            " the environment checks them"
+        ),
+    )
+    concurrency: int = Field(64, ge=1, description="Episodes in flight at once")
+    max_groups_ahead: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Groups started and not yet consumed by the learner; default (max_staleness + 1) x batch_groups"
+        ),
+    )
+    sampling: Sampling = Field(default_factory=Sampling)
+    max_steps: int = Field(8, ge=1, description="Most environment Steps per episode")
+    max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory")
+    rollouts_file: RolloutDetail = Field(
+        "full", description="rollouts.jsonl lines: full (token arrays too) or summary (see sciproto.client.rollouts)"
+    )
+    retries: RetryPolicy = Field(default_factory=RetryPolicy)
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+    learner_reconnect_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest the learner may stay unreachable (restarting) before the run fails; its "
+            "unsettled groups are sent again once it is back"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _state_view_trains_by_step(self) -> RolloutSettings:
+        if self.options.get("observation") == "state" and self.grouping != "step":
+            raise ValueError(
+                "rollout.observation state needs rollout.grouping step: a state-view episode's turns"
+                " do not extend one another, so they cannot train as one trajectory"
+            )
+        return self
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The env options of every Reset."""
+        return {**self.reset_options, **({"observation": self.observation} if self.observation else {})}
+
+    def split(self) -> tuple[str, str]:
+        env, sep, split = self.tasks.partition(":")
+        if not sep or not env or not split:
+            raise ConfigError(
+                f"rollout.tasks {self.tasks!r} must look like ENV:SPLIT, e.g. toy:train"
+            )
+        return env, split
+
+
+class ProcessSettings(BaseModel):
+    """How the child processes start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for a server to announce its port"
+    )
+    stop_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait after SIGTERM before SIGKILL"
+    )
+    # CPU threads of each server's torch/OpenMP pools (0: library default). On a small CPU, one
+    # thread each lets generation and training run side by side instead of fighting for cores.
+    policy_threads: int = Field(0, ge=0)
+    learner_threads: int = Field(0, ge=0)
+    # CPU cores each server may run on (taskset; empty: any). Giving generation (policy) and
+    # training (learner) cores of their own lets them overlap instead of time-sharing.
+    env_cpus: list[int] = Field(default_factory=list)
+    policy_cpus: list[int] = Field(default_factory=list)
+    learner_cpus: list[int] = Field(default_factory=list)
+
+
+class DisplaySettings(BaseModel):
+    """What the run shows besides the live line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stall_after_s: float = Field(
+        60.0, gt=0, description="Say why when no optimizer step has run for this long"
+    )
+
+
+class TrainConfig(BaseModel):
+    """Everything `sciproto train` needs: one file configures every component."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunSettings = Field(default_factory=RunSettings)
+    budget: Budget = Field(default_factory=Budget)
+    env: EnvServerConfig = Field(default_factory=lambda: EnvServerConfig(envs=["toy"]))
+    policy: PolicyServerConfig = Field(default_factory=PolicyServerConfig)
+    learner: LearnerServerConfig = Field(default_factory=LearnerServerConfig)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    processes: ProcessSettings = Field(default_factory=ProcessSettings)
+    progress: bool = Field(True, description="Show a live progress line")
+    display: DisplaySettings = Field(default_factory=lambda: DisplaySettings())
+
+    @model_validator(mode="after")
+    def _learner_trains_the_served_model(self) -> TrainConfig:
+        # The learner must build exactly the weights the policy server starts from.
+        self.learner.model = self.policy.model
+        self.learner.model_seed = self.policy.seed
+        # ... and train the policy that sampled: the tempered one (greedy rollouts report T = 1).
+        sampled_at = self.rollout.sampling.temperature or 1.0
+        grpo = self.learner.grpo
+        if "temperature" not in grpo.model_fields_set:
+            grpo.temperature = sampled_at
+        elif grpo.temperature != sampled_at:
+            raise ValueError(
+                f"learner.grpo.temperature {grpo.temperature} differs from rollout.sampling.temperature"
+                f" {self.rollout.sampling.temperature}: the learner must train the policy that sampled;"
+                " leave learner.grpo.temperature unset and it follows the rollouts"
+            )
+        env, _ = self.rollout.split()
+        if self.rollout.curriculum is not None:
+            curriculum = read_curriculum(self.rollout.curriculum)
+            if curriculum.tasks != self.rollout.tasks:
+                raise ValueError(
+                    f"rollout.curriculum {self.rollout.curriculum} lists tasks of {curriculum.tasks},"
+                    f" but rollout.tasks is {self.rollout.tasks}"
+                )
+        if env not in self.env.envs:
+            raise ValueError(
+                f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
+            )
+        return self
+
+    @property
+    def max_groups_ahead(self) -> int:
+        if self.rollout.max_groups_ahead is not None:
+            return self.rollout.max_groups_ahead
+        return (self.learner.grpo.max_staleness + 1) * self.learner.batch_groups
+
+
+def load_train_config(config: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    return load_config(TrainConfig, config, list(overrides))
+
+
+def check_envs(names: Sequence[str]) -> None:
+    """Refuse, before any server starts, an environment the env server could not host."""
+    for name in names:
+        try:
+            check_name(name)
+        except ValueError as error:
+            raise ConfigError(f"env.envs: {error}") from None
+
+
+__all__ = [
+    "Budget",
+    "DisplaySettings",
+    "ProcessSettings",
+    "RolloutSettings",
+    "RunSettings",
+    "TrainConfig",
+    "check_envs",
+    "load_train_config",
+]

@@ -1,0 +1,263 @@
+"""The training loop of `sciproto train`, top to bottom: rollout groups in, optimizer steps out.
+
+    tasks -> collect (env Reset/Step/Verify, policy Generate) -> groups -> TrainStep -> steps
+
+1. Tasks: the split (or the curriculum's tasks of it), cycled; each pass is an epoch, and a
+   resumed run starts after the groups its learner trained. A task is admitted only while fewer
+   than `max_groups_ahead` groups are started and not yet consumed by the learner (`Flow`): with
+   max_staleness 0 and one batch ahead this is synchronous on-policy GRPO; more lets generation
+   run while the learner trains (async GRPO).
+2. Groups: `collect` plays `samples` episodes per task (grouping trajectory), or
+   `collect_step_tasks` plays a task's step groups on forks of its episode (grouping step). A
+   finished group is written to rollouts.jsonl and sent to the learner.
+3. The learner's events: a receipt settles a group (accepted, refused, no room: sent again), a
+   step result consumes groups and may spend the budget, a step failure gives groups back.
+4. It ends when the budget is spent, `stop` is set (Ctrl-C, the time budget) or a part fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from clients.agent import AgentSettings, env_pool, policy_pool
+from clients.collect import collect, collect_step_tasks, fork_mode, split_size
+from clients.curriculum import read_curriculum
+from clients.train.config import TrainConfig
+from clients.train.display import Progress, RunStatus
+from clients.train.flow import Flow, GroupLedger
+from clients.train.resume import resume_point, trained_group_ids
+from clients.train.records import StepGroupTally, StepRecord, TrainOutcome, budget_spent, group_to_pb, with_epoch
+from clients.train.stream import LearnerStream
+from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
+from sciproto.config import ConfigError
+from sciproto.errors import from_rpc_error
+from sciproto.pb import env_pb2, learner_pb2
+
+log = logging.getLogger(__name__)
+
+
+async def run_rollouts_into_learner(
+    config: TrainConfig,
+    env_target: str,
+    policy_target: str,
+    learner_target: str,
+    run_dir: Path,
+    stop: asyncio.Event,
+    on_step: Callable[[StepRecord, TrainOutcome], None] = lambda *_: None,
+    display: Progress | None = None,
+) -> TrainOutcome:
+    """Stream rollout groups into the learner until the budget is spent or `stop` is set.
+
+    Every group stays in a ledger (clients.train.flow) until the learner settles it; a broken
+    TrainStep stream is opened again (for up to rollout.learner_reconnect_s) and every unsettled
+    group is sent again on it (clients.train.stream)."""
+    rollout = config.rollout
+    env_name, split = rollout.split()
+    flow = Flow(config.max_groups_ahead)
+    ledger = GroupLedger()
+    status = RunStatus(batch_groups=config.learner.batch_groups)
+    outcome = TrainOutcome(run_dir=str(run_dir))
+    learner = LearnerStream(learner_target, ledger, status, rollout.learner_reconnect_s)
+    started = time.monotonic()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
+        # 1. Tasks.
+        size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
+        if rollout.grouping == "step":
+            mode = await fork_mode(env, env_name, rollout.deadlines.describe_s)
+            if mode == env_pb2.FORK_MODE_UNSUPPORTED:
+                raise ConfigError(f"rollout.grouping step forks episodes, and environment {env_name!r} cannot fork"
+                                  " (Describe: fork unsupported); use grouping trajectory")
+        chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
+        # A resumed run continues after the groups its learner trained, never re-sending one.
+        point = resume_point(trained_group_ids(run_dir), env_name, split, size)
+        epochs: dict[TaskKey, int] = point.epochs
+        if point.trained:
+            log.info("resuming after %d trained groups of %s:%s", point.trained, env_name, split)
+
+        async def tasks() -> AsyncIterator[TaskKey]:
+            for number in itertools.count(point.start):
+                await flow.admit()
+                status.groups_generating = flow.in_flight
+                # Epochs over a bounded split (or the curriculum's tasks of it); an unbounded split
+                # (any index is a task) never repeats.
+                if chosen is not None:
+                    yield TaskKey(env_name, split, chosen[number % len(chosen)])
+                else:
+                    yield TaskKey(env_name, split, number if size is None else number % size)
+
+        def next_epoch(task: TaskKey) -> int:
+            epoch = epochs.get(task, 0)
+            epochs[task] = epoch + 1
+            return epoch
+
+        # 2. Groups.
+        def send(group: RolloutGroup, epoch: int, rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """Write a finished group's records and send it to the learner (in the ledger)."""
+            group_id, records = with_epoch(group, epoch)
+            for record in records:
+                sink = failures_file if record.status is RolloutStatus.INFRA_ERROR else rollouts_file
+                sink.write(record.to_json_line(rollout.rollouts_file))
+            outcome.groups_generated += 1
+            outcome.completion_tokens += sum(r.tokens.completion for r in records)
+            status.groups_finished = outcome.groups_generated
+            status.rollouts_finished += len(records)
+            status.completion_tokens = outcome.completion_tokens
+            learner.send(learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records)))
+
+        async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            if rollout.grouping == "step":
+                await produce_step_groups(rollouts_file, failures_file)
+                return
+            async for group in collect(
+                tasks(),
+                env=env,
+                policy=policy,
+                samples=rollout.samples,
+                concurrency=rollout.concurrency,
+                sampling=rollout.sampling,
+                max_steps=rollout.max_steps,
+                max_tokens=rollout.max_tokens,
+                retries=rollout.retries,
+                deadlines=rollout.deadlines,
+                options=rollout.options,
+            ):
+                flow.group_finished()
+                send(group, next_epoch(group.task), rollouts_file, failures_file)
+                rollouts_file.flush()
+                failures_file.flush()
+                status.groups_generating = flow.in_flight
+
+        async def produce_step_groups(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """Each task admitted plays its step groups; each step group goes to the learner as a
+            group of its own (one prompt, group_size completions)."""
+            settings = AgentSettings(rollout.sampling, rollout.max_steps, rollout.max_tokens, rollout.retries,
+                                     rollout.deadlines, rollout.options)
+            tally = StepGroupTally()
+            outcome.step_groups = tally.totals
+            status.forks_opened = 0
+            async for played in collect_step_tasks(tasks(), env=env, policy=policy,
+                                                   grouping=rollout.step_groups.grouping(),
+                                                   settings=settings, concurrency=rollout.concurrency):
+                epoch = next_epoch(played.task)
+                for group in played.groups:
+                    send(group, epoch, rollouts_file, failures_file)
+                rollouts_file.flush()
+                await flow.task_finished(len(played.groups))
+                tally.add(played)
+                status.forks_opened, status.forks_closed = tally.totals["forks_opened"], tally.totals["forks_closed"]
+                status.groups_generating = flow.in_flight
+
+        # 3. The learner's events.
+        async def handle(event: learner_pb2.TrainStepResponse) -> None:
+            kind = event.WhichOneof("event")
+            if kind == "receipt":
+                receipt = event.receipt
+                settled, again = ledger.on_receipt(receipt)
+                if not receipt.accepted:
+                    reason = receipt.reason
+                    outcome.groups_refused[reason] = outcome.groups_refused.get(reason, 0) + 1
+                    if reason == "invalid":
+                        log.warning("learner refused group %s: %s", receipt.group_id, receipt.detail)
+                if again:
+                    learner.send_again_later(receipt.group_id)
+                await flow.consume(settled)
+            elif kind == "step":
+                result = event.step
+                await flow.consume(ledger.on_step(result))
+                now = time.monotonic()
+                record = StepRecord(
+                    step=result.step,
+                    policy_version=result.policy_version,
+                    reward_mean=result.metrics.get("reward_mean", math.nan),
+                    policy_lag_mean=result.metrics.get("policy_lag_mean", 0.0),
+                    groups=result.groups,
+                    seconds=now - started,
+                    forks_opened=status.forks_opened,
+                    forks_closed=status.forks_closed if status.forks_opened is not None else None,
+                )
+                status.step, status.policy_version = record.step, record.policy_version
+                status.reward_mean, status.policy_lag_mean = record.reward_mean, record.policy_lag_mean
+                status.last_step_at = now
+                if status.first_step_s is None:
+                    status.first_step_s = now - started
+                outcome.steps.append(record)
+                on_step(record, outcome)
+                if reason := budget_spent(config.budget, outcome.steps):
+                    outcome.stopped_by = outcome.stopped_by or reason
+                    stop.set()
+            elif kind == "step_failure":
+                failure = event.step_failure
+                outcome.step_failures += 1
+                status.step_failures += 1
+                log.warning(
+                    "learner step failed (%s); %d of our groups went back, %d given up",
+                    failure.error.message,
+                    len(failure.returned_group_ids),
+                    len(failure.abandoned_group_ids),
+                )
+                await flow.consume(ledger.on_step_failure(failure))
+            else:
+                log.warning("learner reported: %s", event.error.message)
+            status.groups_in_learner = len(ledger.accepted)
+            status.since_step = ledger.since_step
+
+        async def ticker() -> None:
+            assert display is not None
+            while True:
+                status.groups_generating = flow.in_flight
+                display.tick(status)
+                await asyncio.sleep(1.0)
+
+        async def deadline(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+            outcome.stopped_by = outcome.stopped_by or "max_seconds"
+            stop.set()
+
+        # 4. Run until the budget is spent, `stop` is set or a part fails.
+        with (
+            (run_dir / "rollouts.jsonl").open("a", encoding="utf-8") as rollouts_file,
+            (run_dir / "rollouts.failures.jsonl").open("w", encoding="utf-8") as failures_file,
+        ):
+            workers = [
+                asyncio.create_task(produce(rollouts_file, failures_file), name="rollouts"),
+                asyncio.create_task(learner.run(handle), name="learner stream"),
+            ]
+            if display is not None:
+                workers.append(asyncio.create_task(ticker(), name="display"))
+            if config.budget.max_seconds is not None:
+                workers.append(asyncio.create_task(deadline(config.budget.max_seconds), name="deadline"))
+            stopper = asyncio.create_task(stop.wait())
+            try:
+                done, _ = await asyncio.wait([*workers, stopper], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not stopper and task.exception() is not None:
+                        error = task.exception()
+                        raise from_rpc_error(error) if isinstance(error, grpc.RpcError) else error  # type: ignore[misc]
+            finally:
+                outcome.stopped_by = outcome.stopped_by or "interrupted"
+                for task in [*workers, stopper]:
+                    task.cancel()
+                await asyncio.gather(*workers, stopper, return_exceptions=True)
+                outcome.seconds = time.monotonic() - started
+                outcome.generation_idle_s = flow.total_idle_s()
+                outcome.groups_settled = dict(ledger.counts)
+                outcome.groups_pending = len(ledger.unsettled)
+                outcome.groups_resent = ledger.resent
+                outcome.learner_reconnects = learner.reconnects
+                outcome.group_fates = {g: fates or ["pending"] for g, fates in ledger.fates.items()}
+                outcome.first_step_s = status.first_step_s
+    return outcome
+
+
+__all__ = ["run_rollouts_into_learner"]
