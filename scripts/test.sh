@@ -34,6 +34,14 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
+# The Slurm recipe (scripts/slurm/train-on-ray.sbatch) is tested on a one-node Slurm cluster that
+# the test starts on this machine (munged, slurmctld, slurmd on free ports).
+if ! command -v slurmctld >/dev/null 2>&1 && can_apt_install; then
+  echo "installing Slurm and munge for the Slurm recipe test"
+  apt_install --no-install-recommends slurmctld slurmd slurm-client munge \
+    || echo "Slurm could not be installed; the Slurm recipe test will be skipped" >&2
+fi
+
 # The C++ client (clients/cpp) builds its gRPC stubs from proto/ with these.
 cpp_toolchain_ready() {
   command -v cmake && command -v c++ && command -v protoc && command -v grpc_cpp_plugin \
