@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(help="sciproto: gRPC environments, policy and learner for RL on LLM agents.",
                   no_args_is_help=True, add_completion=False)
-serve_app = typer.Typer(help="Run a server: env, policy or learner.", no_args_is_help=True)
+serve_app = typer.Typer(help="Run a server: env, policy, learner or gateway.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 
 ConfigOption = Annotated[str | None, typer.Option("--config", "-c", help="YAML file, or a name in configs/")]
@@ -130,6 +130,28 @@ def serve_learner(
     """Serve the GRPO learner over LearnerService."""
     _setup_logging(verbose)
     _run_component("learner.app", config, _server_overrides("learner", host, port, auth, set_))
+
+
+@serve_app.command("gateway")
+def serve_gateway(
+    policy: Annotated[list[str], typer.Option("--policy", help="Policy server HOST:PORT (repeatable: replicas)")],
+    host: HostOption = None,
+    port: Annotated[int, typer.Option(help="HTTP port (0 = any free)")] = 8000,
+    auth: AuthOption = None,
+    model_name: Annotated[list[str] | None, typer.Option("--model-name", help="Another name the model answers to (repeatable)")] = None,
+    policy_token_file: Annotated[Path | None, typer.Option(help="File holding the gateway's bearer token for the policy servers")] = None,
+    rollouts: Annotated[Path | None, typer.Option(help="Append closed sessions' rollout records to this JSONL file")] = None,
+    max_sessions: Annotated[int, typer.Option(min=1, help="Open sessions at most")] = 1024,
+    session_ttl: Annotated[float, typer.Option(min=1, help="Seconds an idle session is kept")] = 3600.0,
+    max_session_tokens: Annotated[int, typer.Option(min=1, help="Recorded tokens of one session at most")] = 1 << 20,
+    verbose: bool = False,
+) -> None:
+    """Serve an OpenAI-compatible HTTP API over the policy servers, recording sessions for training."""
+    _setup_logging(verbose)
+    importlib.import_module("gateway.app").main_with(
+        policies=policy, host=host or "127.0.0.1", port=port, model_names=model_name or [], auth_file=auth,
+        policy_token_file=policy_token_file, rollouts_file=rollouts, max_sessions=max_sessions,
+        idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens)
 
 
 @app.command()

@@ -3,10 +3,10 @@
 Every import counts: at module level, inside a function, under `if TYPE_CHECKING:`, and
 `importlib.import_module("literal.name")`. The layers, lowest first:
 
-- the core, `sciproto/`, imports none of the other four packages; it holds the library every
+- the core, `sciproto/`, imports none of the other five packages; it holds the library every
   component shares: the clients (`sciproto.client`), the weight wire format (`sciproto.weights`)
   and model loading (`sciproto.models`);
-- the servers, `env_servers/`, `policy_server/`, `learner/`, import the core, never `clients/`
+- the servers, `env_servers/`, `policy_server/`, `learner/`, `gateway/`, import the core, never `clients/`
   and never another server;
 - the applications, `clients/`, may import anything below them.
 
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sciproto", "clients", "env_servers", "policy_server", "learner")
-SERVERS = ("env_servers", "policy_server", "learner")
+PACKAGES = ("sciproto", "clients", "env_servers", "policy_server", "learner", "gateway")
+SERVERS = ("env_servers", "policy_server", "learner", "gateway")
 
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # The command line dispatches to every component; it imports each only when its sub-command runs.
@@ -34,6 +34,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("sciproto.cli", "clients.eval"): "command line",
     ("sciproto.cli", "clients.train"): "command line",
     ("sciproto.cli", "clients.viewer"): "command line",
+    ("sciproto.cli", "gateway.app"): "command line",
     ("sciproto.cli", "env_servers.workers"): "command line",
 }
 

@@ -88,8 +88,10 @@ def check_config(argv: list[str]) -> None:
             sets += [f"envs=[{','.join(options(argv, '--env'))}]"] if "--env" in argv else []
         elif component == "policy":
             from policy_server.config import PolicyServerConfig as model
-        else:
+        elif component == "learner":
             from learner.server_config import LearnerServerConfig as model
+        else:
+            return  # the gateway takes options only, checked by the parse above
         load_component_config(model, config, sets, component)
     elif argv[:1] == ["collect"]:
         from clients.collect import CollectConfig

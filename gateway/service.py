@@ -1,0 +1,334 @@
+"""The gateway's HTTP routes (aiohttp): OpenAI's chat completions and models, and the session and
+group routes that turn recorded calls into rollout records.
+
+    POST /v1/chat/completions            a call outside any session (not recorded)
+    POST /s/{session}/v1/chat/completions  the same, recorded in `session` (opened by its first call)
+    GET  /v1/models, /s/{session}/v1/models
+    GET  /sessions/{session}             the session's calls: token ids, logprobs, versions, segments
+    POST /sessions/{session}/close       {"group": label, "reward": float}: its records join the group
+    POST /groups/{label}/take            the group's records so far, handed over once
+    GET  /health
+
+A session may also be named by the `X-Sciproto-Session` header on the plain /v1 routes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gateway.chat import (
+    ChatCall,
+    Choice,
+    chunk_object,
+    completion_object,
+    logprob_entries,
+    now,
+    parse_chat_request,
+)
+from gateway.chat import usage as usage_object
+from gateway.errors import ApiError, from_sciproto
+from gateway.records import Outcome, failed_record, session_records, task_for_label
+from gateway.sessions import Plan, Session, SessionStore
+from sciproto.auth import Authenticator, AuthRole, charge_request
+from sciproto.client.policy import PolicyClient
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus
+from sciproto.errors import InvalidArgument, Reason, SciprotoError
+from sciproto.pb import policy_pb2
+
+__all__ = ["SESSION_HEADER", "Gateway"]
+
+log = logging.getLogger("gateway")
+SESSION_HEADER = "X-Sciproto-Session"
+
+
+class Gateway:
+    """The routes over a set of policy servers serving one model. Calls of a session go to one
+    server (its tokens and cache stay there); calls outside sessions take turns."""
+
+    def __init__(self, policies: list[PolicyClient], model_names: list[str], max_context_tokens: int,
+                 store: SessionStore, authenticator: Authenticator | None = None,
+                 rollouts_file: Path | None = None, generate_timeout_s: float = 600.0) -> None:
+        if not policies:
+            raise ValueError("the gateway needs at least one policy server")
+        self.policies = policies
+        self.model_names = model_names
+        self.max_context_tokens = max_context_tokens
+        self.store = store
+        self.authenticator = authenticator
+        self.rollouts_file = rollouts_file
+        self.generate_timeout_s = generate_timeout_s
+        self.groups: dict[str, list[RolloutRecord]] = {}
+        self._next_sample: dict[str, int] = {}
+        self._turns = itertools.count()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app.add_routes([
+            web.get("/health", self._health),
+            web.get("/v1/models", self._models), web.get("/s/{session}/v1/models", self._models),
+            web.post("/v1/chat/completions", self._chat), web.post("/s/{session}/v1/chat/completions", self._chat),
+            web.get("/sessions/{session}", self._session),
+            web.post("/sessions/{session}/close", self._close),
+            web.post("/groups/{label}/take", self._take),
+        ])
+        return app
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return web.json_response(error.body(), status=error.status)
+        except SciprotoError as error:
+            api = from_sciproto(error)
+            return web.json_response(api.body(), status=api.status)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            api = ApiError(error.status, f"{request.method} {request.path}: {error.reason}",
+                           code="not_found" if error.status == 404 else None)
+            return web.json_response(api.body(), status=api.status)
+
+    def _principal(self, request: web.Request, role: AuthRole) -> str:
+        """The caller's principal name ("" with auth off), once it holds `role`."""
+        if self.authenticator is None:
+            return ""
+        header = request.headers.get("Authorization")
+        try:
+            principal = self.authenticator.identify([("authorization", header)] if header else [])
+            if not principal.has_role(role):
+                raise ApiError(403, f"this route requires role {role.value!r}; principal {principal.name!r} holds "
+                               f"{', '.join(sorted(principal.roles))}", type_="permission_error",
+                               code="permission_denied")
+            charge_request(principal)
+        except SciprotoError as error:
+            status = 429 if error.code.name == "RESOURCE_EXHAUSTED" else 401
+            raise ApiError(status, error.message, type_="rate_limit_error" if status == 429 else "authentication_error",
+                           code="rate_limited" if status == 429 else "invalid_api_key") from None
+        return principal.name
+
+    @staticmethod
+    async def _json(request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the body is not JSON: {error}", param="body") from None
+
+    @staticmethod
+    def _session_id(request: web.Request) -> str | None:
+        session = request.match_info.get("session") or request.headers.get(SESSION_HEADER)
+        if session is not None and not (0 < len(session) <= 200):
+            raise ApiError(400, "a session id must have 1 to 200 characters", param="session")
+        return session
+
+    def _policy(self, session_id: str | None) -> PolicyClient:
+        if session_id is None:
+            return self.policies[next(self._turns) % len(self.policies)]
+        return self.policies[int(uuid.uuid5(uuid.NAMESPACE_URL, session_id)) % len(self.policies)]
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.store.sessions),
+                                  "expired_sessions": self.store.expired})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._principal(request, AuthRole.AGENT)
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "sciproto"} for name in self.model_names]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        principal = self._principal(request, AuthRole.AGENT)
+        call = parse_chat_request(await self._json(request), self.max_context_tokens)
+        if call.model not in self.model_names:
+            raise ApiError(404, f"the model {call.model!r} does not exist here; this gateway serves "
+                           f"{', '.join(self.model_names)} (GET /v1/models)", param="model", code="model_not_found")
+        session_id = self._session_id(request)
+        if session_id is None:
+            return await self._complete(request, call, None, Plan([], "", None), self._policy(None))
+        session = self.store.open(session_id, principal)
+        async with session.lock:
+            self.store.check_size(session)
+            return await self._complete(request, call, session, session.plan(call), self._policy(session_id))
+
+    async def _start(self, call: ChatCall, plan: Plan, policy: PolicyClient
+                     ) -> tuple[AsyncIterator[policy_pb2.GenerateResponse], policy_pb2.GeneratePrompt, str]:
+        """Open the Generate stream and read its prompt event. When the server cannot extend the
+        previous tokens (a chat template that does not render the history as a prefix), the call
+        starts a new segment instead and says why."""
+        reason = plan.reason
+        previous = plan.previous_token_ids
+        while True:
+            events = policy.generate(call.generate_request(previous, f"gw-{uuid.uuid4().hex[:16]}"),
+                                     self.generate_timeout_s)
+            try:
+                first = await anext(events)
+            except InvalidArgument as error:
+                await events.aclose()
+                if not previous or error.reason == Reason.PROMPT_TOO_LONG:
+                    raise
+                reason, previous = f"the policy server could not extend the previous tokens: {error.message}", []
+                continue
+            except StopAsyncIteration:
+                raise ApiError(502, "the policy server ended Generate without a prompt event",
+                               type_="server_error") from None
+            if first.WhichOneof("event") != "prompt":
+                await events.aclose()
+                raise ApiError(502, "the policy server's Generate did not start with its prompt", type_="server_error")
+            return events, first.prompt, reason
+
+    async def _complete(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
+                        policy: PolicyClient) -> web.StreamResponse:
+        events, prompt, reason = await self._start(call, plan, policy)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = now()
+        with_tools = bool(call.tools)
+        try:
+            if call.stream:
+                response, samples = await self._stream(request, call, events, completion_id, created,
+                                                       len(prompt.token_ids), with_tools)
+            else:
+                samples = [event.sample async for event in events if event.WhichOneof("event") == "sample"]
+                response = None
+        finally:
+            await events.aclose()
+        choices = [Choice(s.sample_index, s, with_tools) for s in sorted(samples, key=lambda s: s.sample_index)]
+        if session is not None and len(choices) == call.n:
+            session.record(call, plan, reason, list(prompt.token_ids), prompt.policy_version, choices)
+        if response is not None:
+            return response
+        return web.json_response(completion_object(completion_id, call.model, created, choices,
+                                                   len(prompt.token_ids), call.logprobs))
+
+    async def _stream(self, request: web.Request, call: ChatCall, events: AsyncIterator[policy_pb2.GenerateResponse],
+                      completion_id: str, created: int, prompt_tokens: int, with_tools: bool
+                      ) -> tuple[web.StreamResponse, list[policy_pb2.GenerateSample]]:
+        """Server-sent events: text deltas as they are sampled. With tools, a sample's text waits
+        for its end, when its tool-call markup has been parsed into `tool_calls`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(payload: dict[str, Any]) -> None:
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        def chunk(choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+            return chunk_object(completion_id, call.model, created, choices, usage_)
+
+        samples: list[policy_pb2.GenerateSample] = []
+        try:
+            await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                               "logprobs": None} for i in range(call.n)]))
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "delta" and not with_tools:
+                    delta = event.delta
+                    logprobs = {"content": logprob_entries(delta.token_ids, delta.logprobs)} if call.logprobs else None
+                    await send(chunk([{"index": delta.sample_index, "delta": {"content": delta.text},
+                                       "finish_reason": None, "logprobs": logprobs}]))
+                elif kind == "sample":
+                    sample = event.sample
+                    samples.append(sample)
+                    choice = Choice(sample.sample_index, sample, with_tools)
+                    if with_tools:
+                        delta: dict[str, Any] = {"content": choice.content} if choice.content else {}
+                        if choice.tool_calls:
+                            delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(choice.tool_calls)]
+                        logprobs = choice.logprobs() if call.logprobs else None
+                        if delta or logprobs:
+                            await send(chunk([{"index": choice.index, "delta": delta, "finish_reason": None,
+                                               "logprobs": logprobs}]))
+                    await send(chunk([{"index": choice.index, "delta": {}, "finish_reason": choice.finish_reason,
+                                       "logprobs": None}]))
+            if call.include_usage:
+                choices = [Choice(s.sample_index, s, with_tools) for s in samples]
+                await send(chunk([], usage_object(prompt_tokens, choices)))
+        except SciprotoError as error:
+            await send(from_sciproto(error).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response, samples
+
+    async def _session(self, request: web.Request) -> web.Response:
+        principal = self._principal(request, AuthRole.AGENT)
+        return web.json_response(self.store.get(request.match_info["session"], principal).to_json())
+
+    async def _close(self, request: web.Request) -> web.Response:
+        """Close a session with its outcome. Giving a reward is grading: it needs role grader."""
+        principal = self._principal(request, AuthRole.AGENT)
+        body = await self._json(request)
+        outcome = _outcome(body)
+        if outcome.status is RolloutStatus.SCORED:
+            self._principal(request, AuthRole.GRADER)
+        session_id = request.match_info["session"]
+        session, records = await self.close_session(session_id, principal, outcome)
+        return web.json_response({"session": session_id, "group": task_for_label(outcome.group).group_id,
+                                  "records": len(records), "segments": session.segments,
+                                  "rollout_ids": [r.rollout_id for r in records]})
+
+    async def close_session(self, session_id: str, principal: str, outcome: Outcome
+                            ) -> tuple[Session, list[RolloutRecord]]:
+        """End a session: its records join `outcome.group` (and the rollouts file)."""
+        session = self.store.get(session_id, principal)
+        async with session.lock:
+            self.store.pop(session_id, principal)
+        if not session.calls:
+            raise ApiError(400, f"session {session_id!r} made no call; nothing to train on", code="empty_session")
+        return session, self._add(outcome, lambda first: session_records(session, outcome, first))
+
+    def record_failure(self, session_id: str, outcome: Outcome) -> RolloutRecord:
+        """Account for a session that failed before its first call (an INFRA_ERROR record)."""
+        return self._add(outcome, lambda first: [failed_record(session_id, outcome, first)])[0]
+
+    def _add(self, outcome: Outcome, build: Callable[[int], list[RolloutRecord]]) -> list[RolloutRecord]:
+        first = self._next_sample.get(outcome.group, 0)
+        records = build(first)
+        self._next_sample[outcome.group] = first + len(records)
+        self.groups.setdefault(outcome.group, []).extend(records)
+        if self.rollouts_file is not None:
+            with self.rollouts_file.open("a", encoding="utf-8") as file:
+                file.writelines(record.to_json_line() for record in records)
+        return records
+
+    def take(self, label: str) -> list[RolloutRecord]:
+        """The records of group `label` closed so far, handed over once."""
+        return self.groups.pop(label, [])
+
+    async def _take(self, request: web.Request) -> web.Response:
+        self._principal(request, AuthRole.TRAINER)
+        label = request.match_info["label"]
+        records = self.take(label)
+        return web.json_response({"group": task_for_label(label).group_id,
+                                  "records": [r.model_dump(mode="json", by_alias=True) for r in records]})
+
+
+def _outcome(body: Any) -> Outcome:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object: {\"group\": str, \"reward\": float}", param="body")
+    group = body.get("group")
+    if not isinstance(group, str) or not group or len(group) > 200:
+        raise ApiError(400, "group is required: the label shared by the sessions of one task (e.g. "
+                       "\"gsm8k/train/3\")", param="group")
+    try:
+        status = RolloutStatus(body.get("status", "SCORED"))
+    except ValueError:
+        raise ApiError(400, "status must be SCORED, UNSCORED or INFRA_ERROR", param="status") from None
+    reward = body.get("reward")
+    if status is RolloutStatus.SCORED and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        raise ApiError(400, "reward (a number) is required for a SCORED session", param="reward")
+    error = body.get("error")
+    if status is RolloutStatus.INFRA_ERROR and not (isinstance(error, str) and error):
+        raise ApiError(400, "an INFRA_ERROR session needs `error`: what failed", param="error")
+    task = body.get("task") or {}
+    if not isinstance(task, dict) or not all(isinstance(v, str) for v in task.values()):
+        raise ApiError(400, "task must map names to strings", param="task")
+    return Outcome(group, float(reward or 0.0), status, error if isinstance(error, str) else None, task)

@@ -1,0 +1,102 @@
+"""The official `openai` SDK against `sciproto serve gateway` on a tiny policy server, each in its
+own process: completions, streaming, n, logprobs, and OpenAI's error shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import serve_gateway
+
+from sciproto.processes import ServerProcess
+
+QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_policy: ServerProcess) -> Iterator[ServerProcess]:
+    server = serve_gateway("--policy", tiny_policy.target, "--model-name", "my-agent-model")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_served_model_and_its_alias(client: openai.OpenAI) -> None:
+    names = [model.id for model in client.models.list()]
+    assert names[1:] == ["my-agent-model"] and names[0]
+
+
+def test_streamed_deltas_add_up_to_the_answer_with_the_same_seed(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="my-agent-model", messages=QUESTION, seed=11, max_tokens=24,
+                                           temperature=1.0)
+    stream = client.chat.completions.create(model="my-agent-model", messages=QUESTION, seed=11, max_tokens=24,
+                                            temperature=1.0, stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    answer = whole.choices[0]
+    assert "".join(pieces) == answer.message.content and answer.message.content
+    assert finish == answer.finish_reason in ("stop", "length")
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_n_samples_and_logprobs(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="my-agent-model", messages=QUESTION, n=3, max_tokens=8, seed=5,
+                                           logprobs=True)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    entries = [choice.logprobs.content for choice in reply.choices]
+    assert reply.usage.completion_tokens == sum(len(e) for e in entries)
+    assert all(entry.logprob <= 0 and entry.token.startswith("token_id:") for e in entries for entry in e)
+    assert len({tuple(entry.token for entry in e) for e in entries}) > 1  # three samples, not one thrice
+
+
+def test_unknown_model_is_a_404_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION)
+    assert caught.value.code == "model_not_found" and "my-agent-model" in caught.value.message
+
+
+def test_malformed_tools_are_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=QUESTION,
+                                       tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert caught.value.param == "tools[0]" and caught.value.code == "invalid_tools"
+
+
+def test_too_many_tokens_is_context_length_exceeded(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=QUESTION, max_tokens=10_000_000)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
+    long = [{"role": "user", "content": "word " * 200_000}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=long, max_tokens=4)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+
+
+def test_unsupported_sampling_options_are_refused_not_ignored(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=QUESTION, presence_penalty=1.0)
+    assert caught.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=QUESTION, logprobs=True, top_logprobs=5)
+    assert caught.value.param == "top_logprobs"
+
+
+def test_a_body_that_is_not_json_gets_an_error_object(gateway: ServerProcess) -> None:
+    response = httpx.post(f"http://{gateway.target}/v1/chat/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.get(f"http://{gateway.target}/v1/nothing", timeout=30)
+    assert response.status_code == 404 and "error" in response.json()

@@ -1,0 +1,83 @@
+"""The in-process API (agents that are Python functions), and the gateway behind role tokens,
+with the policy server behind its own."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import serve_gateway
+
+from gateway.local import LocalGateway
+from sciproto.client.rollouts import RolloutStatus
+from sciproto.processes import ServerProcess, start_server
+
+
+async def test_a_group_of_function_agents_becomes_one_rollout_group(tiny_policy: ServerProcess) -> None:
+    def agent(base_url: str) -> float:
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Say yes."}]
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=5)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+        client.chat.completions.create(model=model, messages=messages, max_tokens=5)
+        if "/run2-" in base_url:
+            raise RuntimeError("this run's tool broke")
+        return 1.0 if "/run0-" in base_url else 0.0
+
+    async with LocalGateway([tiny_policy.target]) as gateway:
+        group = await gateway.run_group(agent, "yes/train/2", size=3)
+        silent = await gateway.run_group(lambda base_url: 1.0, "never-called", size=1)
+    assert [(r.status, r.error, r.group_id) for r in silent.rollouts] == [
+        (RolloutStatus.INFRA_ERROR, "the agent returned without calling the model", "gateway/never-called/0")]
+    assert group.group_id == "yes/train/2" and [r.sample for r in group.rollouts] == [0, 1, 2]
+    by_session = {r.task["session"][3]: r for r in group.rollouts}
+    assert by_session["0"].reward == 1.0 and by_session["1"].reward == 0.0
+    assert by_session["2"].status is RolloutStatus.INFRA_ERROR and "tool broke" in by_session["2"].error
+    assert not group.complete  # an INFRA_ERROR sample masks the group out of training
+    for record in group.rollouts:
+        assert record.steps == 2 and record.task["segments"] == "1" and sum(record.loss_mask) > 0
+
+
+def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = {name: secrets.token_urlsafe(24) for name in ("agent", "grader", "trainer", "gateway")}
+    for name, token in tokens.items():
+        monkeypatch.setenv(f"GW_TOKEN_{name.upper()}", token)
+    (tmp_path / "auth.yaml").write_text("tokens:\n" + "".join(
+        f"  - {{principal: {name}, roles: [{role}], token_env: GW_TOKEN_{name.upper()}}}\n"
+        for name, role in (("agent", "agent"), ("grader", "agent, grader"), ("trainer", "trainer"),
+                           ("gateway", "agent, observer"))))
+    (tmp_path / "gateway.token").write_text(tokens["gateway"])
+    auth = ["--auth", str(tmp_path / "auth.yaml")]
+    policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0", *auth], timeout_s=300)
+    try:
+        gateway = serve_gateway("--policy", policy.target, *auth, "--policy-token-file",
+                                str(tmp_path / "gateway.token"))
+        try:
+            base = f"http://{gateway.target}"
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+            agent = openai.OpenAI(base_url=f"{base}/s/x/v1", api_key=tokens["agent"], max_retries=0, timeout=120)
+            model = agent.models.list().data[0].id
+            agent.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            grading = {"group": "g", "reward": 1.0}
+            as_agent = httpx.post(f"{base}/sessions/x/close", json=grading, timeout=30,
+                                  headers={"Authorization": f"Bearer {tokens['agent']}"})
+            assert as_agent.status_code == 403 and as_agent.json()["error"]["type"] == "permission_error"
+            # Another principal does not see the agent's session.
+            as_grader = httpx.post(f"{base}/sessions/x/close", json=grading, timeout=30,
+                                   headers={"Authorization": f"Bearer {tokens['grader']}"})
+            assert as_grader.status_code == 404
+            take = httpx.post(f"{base}/groups/g/take", timeout=30,
+                              headers={"Authorization": f"Bearer {tokens['agent']}"})
+            assert take.status_code == 403
+            take = httpx.post(f"{base}/groups/g/take", timeout=30,
+                              headers={"Authorization": f"Bearer {tokens['trainer']}"})
+            assert take.status_code == 200 and take.json()["records"] == []
+        finally:
+            gateway.stop()
+    finally:
+        policy.stop()

@@ -1,0 +1,117 @@
+"""Sessions through the gateway with the `openai` SDK: a multi-turn session is one token-faithful
+sequence, a rewritten history starts a new segment that says why, and a closed session becomes
+rollout records (the lines `sciproto collect` writes)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import serve_gateway
+
+from sciproto.client.rollouts import read_rollouts
+from sciproto.processes import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway") / "rollouts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_policy: ServerProcess, rollouts: Path) -> Iterator[ServerProcess]:
+    server = serve_gateway("--policy", tiny_policy.target, "--rollouts", str(rollouts), "--max-sessions", "2")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _model(gateway: ServerProcess) -> str:
+    return httpx.get(f"http://{gateway.target}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def _turns(client: openai.OpenAI, model: str, turns: int) -> list[dict]:
+    messages: list[dict] = [{"role": "system", "content": "Count."}, {"role": "user", "content": "one"}]
+    for turn in range(turns):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=turn)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"and {turn + 2}?"}]
+    return messages
+
+
+def test_a_multi_turn_session_is_one_token_faithful_sequence(gateway: ServerProcess, rollouts: Path) -> None:
+    base = f"http://{gateway.target}"
+    model = _model(gateway)
+    client = openai.OpenAI(base_url=f"{base}/s/count-1/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = _turns(client, model, 3)
+    calls = httpx.get(f"{base}/sessions/count-1", timeout=30).json()["calls"]
+    assert [(c["segment"], c["extends"]) for c in calls] == [(0, False), (0, True), (0, True)]
+    for before, after in itertools.pairwise(calls):
+        sequence = before["prompt_token_ids"] + before["choices"][0]["completion_token_ids"]
+        assert after["prompt_token_ids"][: len(sequence)] == sequence  # never re-tokenized
+        assert len(after["prompt_token_ids"]) > len(sequence)  # the new user message's tokens follow
+
+    # The agent drops its history: a new segment, and the call says why.
+    client.chat.completions.create(model=model, messages=[messages[0], messages[-1]], max_tokens=4, seed=9)
+    last = httpx.get(f"{base}/sessions/count-1", timeout=30).json()["calls"][-1]
+    assert (last["segment"], last["extends"]) == (1, False)
+    assert "do not start with the previous call's messages" in last["new_segment_reason"]
+
+    closed = httpx.post(f"{base}/sessions/count-1/close", json={"group": "count/train/7", "reward": 0.5},
+                        timeout=30).json()
+    assert closed == {"session": "count-1", "group": "count/train/7", "records": 2, "segments": 2,
+                      "rollout_ids": ["count/train/7/0", "count/train/7/1"]}
+    records = list(read_rollouts(rollouts))
+    assert [r.rollout_id for r in records] == ["count/train/7/0", "count/train/7/1"]
+    first = records[0]
+    final = calls[-1]
+    assert first.token_ids == final["prompt_token_ids"] + final["choices"][0]["completion_token_ids"]
+    sampled = [c["choices"][0] for c in calls]
+    assert sum(first.loss_mask) == sum(len(s["completion_token_ids"]) for s in sampled)
+    assert [lp for lp, mask in zip(first.logprobs, first.loss_mask, strict=True) if mask] == pytest.approx(
+        [lp for s in sampled for lp in s["logprobs"]])
+    assert first.reward == 0.5 and first.status == "SCORED" and first.group_id == "count/train/7"
+    assert first.version_spans and first.turn_finish_reasons == [s["finish_reason"] for s in sampled]
+    assert [m.role for m in first.messages] == ["system", "user", "assistant", "user", "assistant", "user",
+                                                "assistant"]
+    taken = httpx.post(f"{base}/groups/count%2Ftrain%2F7/take", timeout=30).json()
+    assert [r["rollout_id"] for r in taken["records"]] == ["count/train/7/0", "count/train/7/1"]
+    assert httpx.post(f"{base}/groups/count%2Ftrain%2F7/take", timeout=30).json()["records"] == []
+
+
+def test_a_reply_the_gateway_never_returned_starts_a_new_segment(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    model = _model(gateway)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120,
+                           default_headers={"X-Sciproto-Session": "edited"})
+    first = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model=model, messages=first, max_tokens=4)
+    client.chat.completions.create(model=model, max_tokens=4, messages=[
+        *first, {"role": "assistant", "content": "an answer I wrote myself"}, {"role": "user", "content": "so?"}])
+    calls = httpx.get(f"{base}/sessions/edited", timeout=30).json()["calls"]
+    assert calls[1]["extends"] is False and "not an assistant message it returned" in calls[1]["new_segment_reason"]
+    closed = httpx.post(f"{base}/sessions/edited/close", json={"group": "g", "reward": 1.0}, timeout=30)
+    assert closed.json()["group"] == "gateway/g/0"
+
+
+def test_sessions_are_bounded_and_closing_needs_an_outcome(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    model = _model(gateway)
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for session in ("a", "b"):
+        assert httpx.post(f"{base}/s/{session}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    refused = httpx.post(f"{base}/s/c/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_sessions"
+    no_reward = httpx.post(f"{base}/sessions/a/close", json={"group": "g"}, timeout=30)
+    assert no_reward.status_code == 400 and no_reward.json()["error"]["param"] == "reward"
+    for session in ("a", "b"):
+        assert httpx.post(f"{base}/sessions/{session}/close", json={"group": "g", "status": "INFRA_ERROR",
+                                                                    "error": "the agent crashed"},
+                          timeout=30).status_code == 200
+    missing = httpx.get(f"{base}/sessions/a", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"

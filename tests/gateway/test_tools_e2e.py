@@ -1,0 +1,132 @@
+"""Tool calls through the gateway with the `openai` SDK. A random tiny model never writes tool-call
+markup, so the test first teaches it one: a few steps of supervised training on the gateway's own
+recorded prompt, pushed to the policy server with UpdateWeights. Greedy sampling then writes the
+call, the policy server parses it, and the SDK reads it back as `tool_calls`, streamed and not; the
+tool's answer continues the session on the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import serve_gateway
+
+from sciproto.client.policy import PolicyClient
+from sciproto.models import load_model
+from sciproto.processes import ServerProcess
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}}}}}]
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+
+
+def teach_tool_call(prompt_ids: list[int], target: str) -> dict[str, torch.Tensor]:
+    """The tiny model trained to answer `prompt_ids` with `target` and its end-of-turn token."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 64-wide model: more threads only wait on each other
+    try:
+        return _train(prompt_ids, target)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(prompt_ids: list[int], target: str) -> dict[str, torch.Tensor]:
+    loaded = load_model("tiny", dtype=torch.float32, seed=3)
+    model = loaded.model.train().requires_grad_(True)
+    completion = loaded.tokenizer.encode(target, add_special_tokens=False) + [min(loaded.stop_token_ids)]
+    ids = torch.tensor([prompt_ids + completion])
+    labels = ids.clone()
+    labels[0, : len(prompt_ids)] = -100
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        if loss.item() < 0.005:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, f"the tiny model did not learn the call (loss {loss.item():.3f})"
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_policy: ServerProcess) -> Iterator[ServerProcess]:
+    server = serve_gateway("--policy", tiny_policy.target)
+    try:
+        base = f"http://{server.target}"
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        probe = {"model": model, "messages": QUESTION, "tools": TOOLS, "max_tokens": 1}
+        assert httpx.post(f"{base}/s/probe/v1/chat/completions", json=probe, timeout=120).status_code == 200
+        prompt = httpx.get(f"{base}/sessions/probe", timeout=30).json()["calls"][0]["prompt_token_ids"]
+        weights = teach_tool_call(prompt, CALL)
+
+        async def push() -> None:
+            async with PolicyClient(tiny_policy.target) as policy:
+                await policy.push_weights(weights, version=1)
+
+        asyncio.run(push())
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_a_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=_model(client), messages=QUESTION, tools=TOOLS, temperature=0,
+                                           max_tokens=96)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "calculator" and call.id.startswith("call_")
+    assert call.function.arguments == '{"expression": "2+2"}'
+    assert choice.message.content is None
+    # Without tools the same text is plain content: the markup is the policy's to parse only with tools.
+    plain = client.chat.completions.create(model=_model(client), messages=QUESTION, temperature=0, max_tokens=96)
+    assert plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_calls_match_the_whole_answer(client: openai.OpenAI) -> None:
+    calls: dict[int, dict[str, str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(model=_model(client), messages=QUESTION, tools=TOOLS, stream=True,
+                                                temperature=0, max_tokens=96):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for piece in choice.delta.tool_calls or []:
+                entry = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+                entry["name"] += piece.function.name or ""
+                entry["arguments"] += piece.function.arguments or ""
+    assert (content, finish) == ("", "tool_calls")
+    assert calls == {0: {"name": "calculator", "arguments": '{"expression": "2+2"}'}}
+
+
+def test_the_tool_answer_continues_the_session_on_the_same_tokens(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    session = openai.OpenAI(base_url=f"{base}/s/tools/v1", api_key="unused", max_retries=0, timeout=120)
+    model = _model(session)
+    first = session.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, temperature=0,
+                                            max_tokens=96).choices[0].message
+    messages = [*QUESTION, first.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "4"}]
+    session.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)
+    calls = httpx.get(f"{base}/sessions/tools", timeout=30).json()["calls"]
+    assert [(c["segment"], c["extends"]) for c in calls] == [(0, False), (0, True)]
+    sequence = calls[0]["prompt_token_ids"] + calls[0]["choices"][0]["completion_token_ids"]
+    assert calls[1]["prompt_token_ids"][: len(sequence)] == sequence
+    assert calls[0]["choices"][0]["version_spans"] == [[0, len(calls[0]["choices"][0]["completion_token_ids"]), 1]]
