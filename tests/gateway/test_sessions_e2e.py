@@ -5,6 +5,7 @@ rollout records (the lines `sciproto collect` writes)."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,19 @@ def test_sessions_are_bounded_and_closing_needs_an_outcome(gateway: ServerProces
                           timeout=30).status_code == 200
     missing = httpx.get(f"{base}/sessions/a", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
+
+
+def test_idle_sessions_expire_and_are_counted_and_sizes_are_capped(tiny_policy: ServerProcess) -> None:
+    server = serve_gateway("--policy", tiny_policy.target, "--session-ttl", "1", "--max-session-tokens", "40")
+    try:
+        base = f"http://{server.target}"
+        body = {"model": _model(server), "messages": [{"role": "user", "content": "a long enough question"}],
+                "max_tokens": 4}
+        assert httpx.post(f"{base}/s/big/v1/chat/completions", json=body, timeout=60).status_code == 200
+        refused = httpx.post(f"{base}/s/big/v1/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_too_large"
+        time.sleep(1.5)  # past the idle TTL (a bound being exceeded, not a speed being measured)
+        assert httpx.get(f"{base}/sessions/big", timeout=30).status_code == 404
+        assert httpx.get(f"{base}/health", timeout=30).json()["expired_sessions"] == 1
+    finally:
+        server.stop()
