@@ -3,6 +3,7 @@ group routes that turn recorded calls into rollout records.
 
     POST /v1/chat/completions            a call outside any session (not recorded)
     POST /s/{session}/v1/chat/completions  the same, recorded in `session` (opened by its first call)
+    POST /v1/responses, /s/{session}/v1/responses  the Responses API's subset (gateway.responses)
     GET  /v1/models, /s/{session}/v1/models
     GET  /sessions/{session}             the session's calls: token ids, logprobs, versions, segments
     POST /sessions/{session}/close       {"group": label, "reward": float}: its records join the group
@@ -18,7 +19,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from gateway.chat import (
 from gateway.chat import usage as usage_object
 from gateway.errors import ApiError, from_sciproto
 from gateway.records import Outcome, failed_record, session_records, task_for_label
+from gateway.responses import output_items, parse_responses_request, response_object
 from gateway.sessions import Plan, Session, SessionStore
 from sciproto.auth import Authenticator, AuthRole, charge_request
 from sciproto.client.policy import PolicyClient
@@ -75,6 +77,7 @@ class Gateway:
             web.get("/health", self._health),
             web.get("/v1/models", self._models), web.get("/s/{session}/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat), web.post("/s/{session}/v1/chat/completions", self._chat),
+            web.post("/v1/responses", self._responses), web.post("/s/{session}/v1/responses", self._responses),
             web.get("/sessions/{session}", self._session),
             web.post("/sessions/{session}/close", self._close),
             web.post("/groups/{label}/take", self._take),
@@ -148,18 +151,25 @@ class Gateway:
             {"id": name, "object": "model", "created": 0, "owned_by": "sciproto"} for name in self.model_names]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, parse_chat_request, self._complete)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, parse_responses_request, self._respond)
+
+    async def _call(self, request: web.Request, parse: Callable[[Any, int], ChatCall],
+                    answer: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         principal = self._principal(request, AuthRole.AGENT)
-        call = parse_chat_request(await self._json(request), self.max_context_tokens)
+        call = parse(await self._json(request), self.max_context_tokens)
         if call.model not in self.model_names:
             raise ApiError(404, f"the model {call.model!r} does not exist here; this gateway serves "
                            f"{', '.join(self.model_names)} (GET /v1/models)", param="model", code="model_not_found")
         session_id = self._session_id(request)
         if session_id is None:
-            return await self._complete(request, call, None, Plan([], "", None), self._policy(None))
+            return await answer(request, call, None, Plan([], "", None), self._policy(None))
         session = self.store.open(session_id, principal)
         async with session.lock:
             self.store.check_size(session)
-            return await self._complete(request, call, session, session.plan(call), self._policy(session_id))
+            return await answer(request, call, session, session.plan(call), self._policy(session_id))
 
     async def _start(self, call: ChatCall, plan: Plan, policy: PolicyClient
                      ) -> tuple[AsyncIterator[policy_pb2.GenerateResponse], policy_pb2.GeneratePrompt, str]:
@@ -257,6 +267,103 @@ class Gateway:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response, samples
+
+    async def _respond(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
+                       policy: PolicyClient) -> web.StreamResponse:
+        """A Responses API answer: one sample, as output items; streamed as its typed events."""
+        events, prompt, reason = await self._start(call, plan, policy)
+        response_id, created, with_tools = f"resp_{uuid.uuid4().hex}", now(), bool(call.tools)
+        try:
+            if call.stream:
+                response, sample = await self._stream_response(request, call, events, response_id, created,
+                                                               len(prompt.token_ids), with_tools)
+            else:
+                response = None
+                sample = None
+                async for event in events:
+                    if event.WhichOneof("event") == "sample":
+                        sample = event.sample
+        finally:
+            await events.aclose()
+        choice = Choice(0, sample, with_tools) if sample is not None else None
+        if session is not None and choice is not None:
+            session.record(call, plan, reason, list(prompt.token_ids), prompt.policy_version, [choice])
+        if response is not None:
+            return response
+        if choice is None:
+            raise ApiError(502, "the policy server ended Generate without its sample", type_="server_error")
+        return web.json_response(response_object(response_id, call.model, created, choice, len(prompt.token_ids)))
+
+    async def _stream_response(self, request: web.Request, call: ChatCall,
+                               events: AsyncIterator[policy_pb2.GenerateResponse], response_id: str, created: int,
+                               prompt_tokens: int, with_tools: bool
+                               ) -> tuple[web.StreamResponse, policy_pb2.GenerateSample | None]:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sequence = itertools.count()
+
+        async def send(kind: str, **payload: Any) -> None:
+            data = {"type": kind, "sequence_number": next(sequence), **payload}
+            await response.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+
+        message_id = f"msg_{uuid.uuid4().hex}"
+        opened = False
+
+        async def open_message() -> None:
+            nonlocal opened
+            if not opened:
+                opened = True
+                await send("response.output_item.added", output_index=0, item={
+                    "type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []})
+                await send("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                           part={"type": "output_text", "text": "", "annotations": []})
+
+        sample = None
+        await send("response.created", response=response_object(response_id, call.model, created, None,
+                                                                 prompt_tokens, status="in_progress"))
+        try:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "delta" and not with_tools and event.delta.text:
+                    await open_message()
+                    await send("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                               delta=event.delta.text, logprobs=[])
+                elif kind == "sample":
+                    sample = event.sample
+        except SciprotoError as error:
+            await send("error", **from_sciproto(error).body()["error"])
+            await response.write_eof()
+            return response, None
+        if sample is None:
+            await response.write_eof()
+            return response, None
+        choice = Choice(0, sample, with_tools)
+        items = output_items(choice)
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                item["id"] = message_id
+                text = item["content"][0]["text"]
+                if not opened and text:
+                    await open_message()
+                    await send("response.output_text.delta", item_id=message_id, output_index=index,
+                               content_index=0, delta=text, logprobs=[])
+                await open_message()
+                await send("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
+                           text=text, logprobs=[])
+                await send("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
+                           part=item["content"][0])
+            else:
+                await send("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                    "status": "in_progress"})
+                await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"])
+                await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"])
+            await send("response.output_item.done", output_index=index, item=item)
+        final = response_object(response_id, call.model, created, choice, prompt_tokens, items)
+        await send("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+        await response.write_eof()
+        return response, sample
 
     async def _session(self, request: web.Request) -> web.Response:
         principal = self._principal(request, AuthRole.AGENT)

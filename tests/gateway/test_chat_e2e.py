@@ -100,3 +100,21 @@ def test_a_body_that_is_not_json_gets_an_error_object(gateway: ServerProcess) ->
     assert response.json()["error"]["type"] == "invalid_request_error"
     response = httpx.get(f"http://{gateway.target}/v1/nothing", timeout=30)
     assert response.status_code == 404 and "error" in response.json()
+
+
+def test_the_responses_api_answers_and_streams_the_same_text(client: openai.OpenAI) -> None:
+    whole = client.responses.create(model="my-agent-model", instructions="You are terse.", input="What is 2+2?",
+                                    max_output_tokens=16, temperature=1.0, extra_body={"seed": 4})
+    assert whole.output_text and whole.usage.output_tokens > 0 and whole.status in ("completed", "incomplete")
+    deltas, final = [], None
+    for event in client.responses.create(model="my-agent-model", instructions="You are terse.",
+                                         input="What is 2+2?", max_output_tokens=16, temperature=1.0,
+                                         extra_body={"seed": 4}, stream=True):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert "".join(deltas) == whole.output_text == final.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="my-agent-model", input="hi", previous_response_id="resp_1")
+    assert caught.value.param == "previous_response_id"

@@ -130,3 +130,18 @@ def test_the_tool_answer_continues_the_session_on_the_same_tokens(gateway: Serve
     sequence = calls[0]["prompt_token_ids"] + calls[0]["choices"][0]["completion_token_ids"]
     assert calls[1]["prompt_token_ids"][: len(sequence)] == sequence
     assert calls[0]["choices"][0]["version_spans"] == [[0, len(calls[0]["choices"][0]["completion_token_ids"]), 1]]
+
+
+def test_a_responses_function_call_round_trip(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    session = openai.OpenAI(base_url=f"{base}/s/responses/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    first = session.responses.create(model=_model(session), input=QUESTION, tools=tools, temperature=0,
+                                     max_output_tokens=96)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert (call.name, call.arguments) == ("calculator", '{"expression": "2+2"}')
+    follow = [*QUESTION, *(item.model_dump(exclude_none=True) for item in first.output),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "4"}]
+    session.responses.create(model=_model(session), input=follow, tools=tools, max_output_tokens=8)
+    calls = httpx.get(f"{base}/sessions/responses", timeout=30).json()["calls"]
+    assert [(c["segment"], c["extends"]) for c in calls] == [(0, False), (0, True)]

@@ -1,0 +1,120 @@
+"""The subset of `POST /v1/responses` that agent frameworks use: `input` as a string or items
+(messages, `function_call`, `function_call_output`), `instructions`, function `tools`,
+`max_output_tokens`, `temperature`, `top_p`, streaming events. A request becomes the chat request
+it stands for, so sessions record it the same way; the agent sends its whole input each turn
+(`previous_response_id` and stored responses are not kept)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from gateway.chat import ChatCall, Choice, parse_chat_request
+from gateway.errors import ApiError
+
+__all__ = ["chat_body", "output_items", "parse_responses_request", "response_object"]
+
+_PASSED = ("model", "temperature", "top_p", "stream", "seed")  # seed: an extension, as in chat
+
+
+def _fail(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _text(content: Any, where: str) -> Any:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    if isinstance(content, list):
+        return [{"type": "text", "text": part.get("text")} if isinstance(part, dict) and part.get("type") in
+                ("input_text", "output_text", "text") else part for part in content]
+    raise _fail(f"{where}.content must be a string or a list of input_text parts", f"{where}.content")
+
+
+def chat_body(body: Any) -> dict[str, Any]:
+    """The chat-completions body a Responses request stands for."""
+    if not isinstance(body, dict):
+        raise _fail("the body must be a JSON object", "body")
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key):
+            raise _fail(f"{key} is not supported: this gateway keeps no responses; send the whole input each "
+                        "turn", key)
+    if body.get("store"):
+        raise _fail("store=true is not supported: this gateway keeps no responses (sessions record the tokens)",
+                    "store")
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _fail("input must be a string or a non-empty list of items", "input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id", ""), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise _fail(f"{where}.output must be a string", f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": output})
+        else:
+            raise _fail(f"{where} is a {kind!r} item; this gateway takes message, function_call and "
+                        "function_call_output items", where)
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _fail("tools must be a list of function tools", "tools")
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _fail(f"tools[{i}] must be {{'type': 'function', 'name', 'parameters'}}; other tool kinds are "
+                        "not supported", f"tools[{i}]")
+        chat_tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                            if k in tool}})
+    chat = {key: body[key] for key in _PASSED if key in body}
+    chat |= {"messages": messages, "tools": chat_tools}
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = body["tool_choice"]
+    return chat
+
+
+def parse_responses_request(body: Any, max_context_tokens: int) -> ChatCall:
+    return parse_chat_request(chat_body(body), max_context_tokens)
+
+
+def output_items(choice: Choice) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if choice.content or not choice.tool_calls:
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": choice.content, "annotations": []}]})
+    items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+               "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+              for call in choice.tool_calls]
+    return items
+
+
+def response_object(response_id: str, model: str, created: int, choice: Choice | None, prompt_tokens: int,
+                    items: list[dict[str, Any]] | None = None, status: str = "completed") -> dict[str, Any]:
+    completion = len(choice.sample.completion_token_ids) if choice is not None else 0
+    incomplete = choice is not None and choice.finish_reason == "length"
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "status": "incomplete" if incomplete else status,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": items if items is not None else (output_items(choice) if choice is not None else []),
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": completion,
+                  "total_tokens": prompt_tokens + completion,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    }
