@@ -44,13 +44,17 @@ async def connect(settings: GatewaySettings, authenticator: Authenticator | None
     """A Gateway over the policy servers, once each has answered Describe. They must serve one model."""
     clients = [PolicyClient(ChannelConfig(target=target, token_file=settings.policy_token_file))
                for target in settings.policies]
-    try:
-        described = await asyncio.gather(*(c.describe(timeout_s=settings.connect_timeout_s) for c in clients))
-    except SciprotoError as error:
-        for client in clients:
-            await client.close()
-        raise ConfigError(f"a policy server did not answer Describe within {settings.connect_timeout_s:.0f} s: "
-                          f"{error.message}") from error
+    answers = await asyncio.gather(*(c.describe(timeout_s=settings.connect_timeout_s) for c in clients),
+                                   return_exceptions=True)
+    for target, answer in zip(settings.policies, answers, strict=True):
+        if isinstance(answer, BaseException):
+            for client in clients:
+                await client.close()
+            if not isinstance(answer, SciprotoError):
+                raise answer
+            raise ConfigError(f"the policy server at {target} did not answer Describe ({answer.message}); start it "
+                              "(`sciproto serve policy`) or fix --policy") from answer
+    described = [answer for answer in answers if not isinstance(answer, BaseException)]
     models = sorted({d.model for d in described})
     if len(models) > 1:
         for client in clients:
@@ -75,7 +79,13 @@ async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, 
 
 async def _serve(settings: GatewaySettings, authenticator: Authenticator | None) -> None:
     gateway = await connect(settings, authenticator)
-    runner, port = await start(gateway, settings.host, settings.port)
+    try:
+        runner, port = await start(gateway, settings.host, settings.port)
+    except OSError as error:
+        for client in gateway.policies:
+            await client.close()
+        raise ConfigError(f"cannot listen on {settings.host}:{settings.port} ({error.strerror or error}); pick "
+                          "another --port (0: any free one)") from error
     log.info("gateway for %s over %d policy server(s) on http://%s:%d/v1", gateway.model_names[0],
              len(gateway.policies), settings.host, port)
     announce_port("gateway", port)
