@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Self
 
 from aiohttp import web
@@ -33,9 +34,10 @@ Agent = Callable[[str], float | Awaitable[float]]
 class LocalGateway:
     """A gateway served on a free loopback port of this process, without auth."""
 
-    def __init__(self, policies: Sequence[str], limits: SessionLimits | None = None) -> None:
+    def __init__(self, policies: Sequence[str], limits: SessionLimits | None = None,
+                 rollouts_file: Path | None = None) -> None:
         self.settings = GatewaySettings(policies=list(policies), host="127.0.0.1", port=0,
-                                        limits=limits or SessionLimits())
+                                        limits=limits or SessionLimits(), rollouts_file=rollouts_file)
         self.gateway: Gateway | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0

@@ -154,6 +154,24 @@ def serve_gateway(
         idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens)
 
 
+@app.command("agent-collect")
+def agent_collect(
+    env: Annotated[str, typer.Option("--env", help="Env server HOST:PORT")],
+    policy: Annotated[str, typer.Option("--policy", help="Policy server HOST:PORT")],
+    command: Annotated[str, typer.Option("--command", help="The agent program, run once per sample (shell words)")],
+    task_env: Annotated[str, typer.Option(help="Environment name on the env server")] = "toy",
+    split: Annotated[str, typer.Option(help="Split of its tasks")] = "train",
+    tasks: Annotated[int, typer.Option(min=1, help="Tasks 0..N-1 of the split")] = 1,
+    group_size: Annotated[int, typer.Option(min=1, help="Runs per task (a GRPO group)")] = 2,
+    out: Annotated[Path, typer.Option(help="Rollout JSONL file to append to")] = Path("agent_rollouts.jsonl"),
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds one run may take")] = 600.0,
+) -> None:
+    """Run an external OpenAI-API agent over an env's tasks through the gateway; write rollouts."""
+    importlib.import_module("clients.agent_command").main(
+        env_target=env, policy_target=policy, env=task_env, split=split, tasks=range(tasks), group_size=group_size,
+        command=command, out=out, timeout_s=timeout)
+
+
 @app.command()
 def describe(
     target: Annotated[str, typer.Argument(help="HOST:PORT of any sciproto server")],

@@ -35,6 +35,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("sciproto.cli", "clients.train"): "command line",
     ("sciproto.cli", "clients.viewer"): "command line",
     ("sciproto.cli", "gateway.app"): "command line",
+    ("sciproto.cli", "clients.agent_command"): "command line",
     ("sciproto.cli", "env_servers.workers"): "command line",
 }
 
