@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clients.env_client import EnvClient
-from clients.rollouts import MessageRecord, read_rollouts
 from gateway.chat import Choice
 from gateway.local import LocalGateway
+from sciproto.client.env import EnvClient
+from sciproto.client.rollouts import MessageRecord, read_rollouts
 from sciproto.pb import common_pb2, env_pb2
 
 __all__ = ["collect_agent", "main"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clients.rollouts import read_rollouts
+from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import ServerProcess, sciproto_command, start_server
 
 AGENT = Path(__file__).with_name("agents") / "answer_agent.py"

@@ -31,7 +31,7 @@ def gateway() -> Iterator[ServerProcess]:
 
 @pytest.mark.timeout(900)
 def test_a_smollm2_session_is_one_token_faithful_sequence(gateway: ServerProcess) -> None:
-    from policy_server.models import load_model
+    from sciproto.models import load_model
 
     base = f"http://{gateway.target}"
     client = openai.OpenAI(base_url=f"{base}/s/smol/v1", api_key="unused", max_retries=0, timeout=600)
