@@ -29,6 +29,7 @@ def gateway() -> Iterator[ServerProcess]:
         policy.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_smollm2_session_is_one_token_faithful_sequence(gateway: ServerProcess) -> None:
     from sciproto.models import load_model
