@@ -40,6 +40,8 @@ from policy_server.config import PolicyServerConfig
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
 from sciproto.weights.wire import (
     DTYPE_TO_PROTO,
+    DigestCheck,
+    DigestMismatch,
     WeightsReceiver,
     check_header,
     check_provenance,
@@ -75,6 +77,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._active: set[object] = set()  # one token per running Generate call
         self._update_lock = asyncio.Lock()
         self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
+        self._serving_digests = DigestCheck(None)  # the checked tensor digests of the update serving now
         # The server's health service (set by the app once the server runs): NOT_SERVING while the
         # backend's weights are unavailable.
         self.health: object | None = None
@@ -94,6 +97,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             quantization=info.quantization, max_context_tokens=info.max_context,
             policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
             active_requests=len(self._active), weights_run_id=self._weights_run_id,
+            weights_sha256=self._serving_digests.set_sha256,
+            serving_tensors=[policy_pb2.TensorSpec(name=name, sha256=digest)
+                             for name, digest in self._serving_digests.tensors],
         )
 
     # -- Generate ----------------------------------------------------------------------------------
@@ -169,9 +175,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                             span: Span) -> policy_pb2.UpdateWeightsResponse:
         """Receive the data chunks of an update whose header came first, and apply it."""
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
-        digest = check_provenance(header.provenance, self._backend.info().model)
+        digest = check_provenance(header, self._backend.info().model)
         if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
-            return await self._apply_collective_update(header, specs, request_iterator)
+            return await self._apply_collective_update(header, specs, digest, request_iterator)
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
             if not isinstance(message, memoryview):  # else a data chunk, read without parsing (parse_request)
@@ -180,22 +186,28 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                                           "must be data chunks", Reason.INVALID_REQUEST)
                 message = memoryview(message.data)
             receiver.write(message)
-            if digest is not None:
-                digest.write(message)
+            digest.write(message)
         tensors = receiver.finish()
-        if digest is not None:
-            digest.finish()  # before the swap: a corrupted update never serves
+        # before the swap: a corrupted update never serves
+        digest.finish()
+        try:
+            await asyncio.to_thread(digest.verify, tensors)  # hashlib lets Generate go on meanwhile
+        except DigestMismatch as error:
+            raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS, metadata={"tensor": error.tensor}) from error
         running_before = set(self._active)
         start = time.perf_counter()
         await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
         self._weights_run_id = header.provenance.run_id
+        self._serving_digests = digest
         span.set_attribute(WEIGHTS_BYTES, receiver.received)
         return self._update_response(receiver.received, time.perf_counter() - start, running_before)
 
-    async def _apply_collective_update(self, header: policy_pb2.WeightsHeader, specs: list,
+    async def _apply_collective_update(self, header: policy_pb2.WeightsHeader, specs: list, digest: DigestCheck,
                                        request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
                                        ) -> policy_pb2.UpdateWeightsResponse:
-        """An NCCL-transport header: the tensors come over the collective group."""
+        """An NCCL-transport header: the tensors come over the collective group; the backend
+        checks them against the header's digests where their bytes reach its CPU (gloo), and
+        says whether it did."""
         info = self._backend.info()
         receive = getattr(self._backend, "receive_weights_nccl", None)
         if receive is None or NCCL_CAPABILITY not in info.capabilities:
@@ -207,19 +219,24 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                                   Reason.INVALID_REQUEST)
         running_before = set(self._active)
         start = time.perf_counter()
-        await self._run_update(header.policy_version, receive(header.policy_version, specs))
+        checked = await self._run_update(header.policy_version, receive(header.policy_version, specs, digest.tensors))
         self._weights_run_id = header.provenance.run_id
+        self._serving_digests = digest if checked else DigestCheck(None)
         return self._update_response(header.total_bytes, time.perf_counter() - start, running_before)
 
-    async def _run_update(self, version: int, update: Awaitable[None]) -> None:
+    async def _run_update(self, version: int, update: Awaitable[object]) -> object:
         """Await the backend's update; map its failure to the status the sender must see, and keep
         the health service in step with whether the weights are whole."""
         try:
-            await update
+            return await update
+        except DigestMismatch as error:
+            raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS, metadata={"tensor": error.tensor}) from error
         except ValueError as error:
             raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
         except (TimeoutError, RuntimeError) as error:
             unavailable = self._backend.info().unavailable
+            if unavailable:  # what it holds now is no update's: nothing checked serves
+                self._serving_digests = DigestCheck(None)
             after = (f"this server is NOT_SERVING until a complete update: {unavailable}" if unavailable
                      else "the old weights keep serving")
             kind = DeadlineExceeded if isinstance(error, TimeoutError) else Unavailable

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,6 +43,7 @@ from policy_server.types import (
     validate_weight_update,
 )
 from sciproto.weights.group import WeightGroup
+from sciproto.weights.wire import verify_tensor_digests
 
 
 @dataclass
@@ -217,11 +218,14 @@ class TransformersBackend:
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise
 
-    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
+    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec],
+                                   digests: Sequence[tuple[str, bytes]] = ()) -> bool:
         """Take an update whose tensors the learner broadcasts over the gloo weight-transfer group
         (`sciproto.weights.group`), in the order of `specs` (the header, already checked
-        against the manifest). They land in fresh tensors; the swap is `update_weights`, so a
-        transfer that fails or times out leaves the old weights serving."""
+        against the manifest). They land in fresh tensors, which are checked against the header's
+        `digests` (name, sha256; DigestMismatch names the first that differs); the swap is
+        `update_weights`, so a transfer that fails, times out or was altered leaves the old weights
+        serving. Returns whether the digests were checked (True when there were any)."""
         group = self._weight_group
         if group is None:
             raise RuntimeError("this server has no weights.collective rendezvous configured")
@@ -237,7 +241,9 @@ class TransformersBackend:
                 raise
 
         tensors = await asyncio.wait_for(asyncio.to_thread(receive), self._stall_timeout_s)
+        await asyncio.to_thread(verify_tensor_digests, digests, tensors)
         await self.update_weights(version, tensors)
+        return bool(digests)
 
     async def close(self) -> None:
         if self._closed:

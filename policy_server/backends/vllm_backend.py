@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import importlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.weights.wire import DigestMismatch
 from sciproto.units import GiB, MiB
 from sciproto.weights.vllm import VLLM_MISSING, import_vllm
 
@@ -177,7 +178,12 @@ def sampling_kwargs(sampling: SamplingParams, max_tokens: int) -> dict[str, Any]
 
 
 class NothingLoaded(RuntimeError):
-    """A collective transfer failed before any tensor reached the model."""
+    """A collective transfer failed before any tensor reached the model; `tensor` names the
+    tensor whose bytes did not match its digest, when that was the failure."""
+
+    def __init__(self, message: str, tensor: str = "") -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class CheckpointTensorLoader:
@@ -201,11 +207,13 @@ class CheckpointTensorLoader:
             torch.accelerator.synchronize()
 
 
-    def take_transfer_failure(self) -> str:
-        """Why this worker's last collective transfer failed before loading ("" if it did not)."""
+    def take_transfer_failure(self) -> tuple[str, str]:
+        """Why this worker's last collective transfer failed before loading ("" if it did not),
+        and the tensor whose digest did not match when that was why ("" otherwise)."""
         engine = self.weight_transfer_engine  # type: ignore[attr-defined]
         failure, engine.failure = getattr(engine, "failure", ""), ""
-        return failure
+        tensor, engine.failure_tensor = getattr(engine, "failure_tensor", ""), ""
+        return failure, tensor
 
 
 def tensor_parts(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[tuple[str, str, list[int], bytes]]]:
@@ -378,11 +386,15 @@ class VllmBackend:
         async with self._update_lock:
             await self._swap_locked(version, load)
 
-    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec]) -> None:
+    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec],
+                                   digests: Sequence[tuple[str, bytes]] = ()) -> bool:
         """Install tensors the learner broadcasts over its collective group (NCCL on a GPU, gloo
         on the CPU), in the order of `specs` (the UpdateWeights header); returns when every worker
         has loaded them. The first call joins the learner's group, which the learner opens at the
-        same time."""
+        same time. On the CPU each worker checks the bytes it received against the header's
+        `digests` (name, sha256) before it loads any (DigestMismatch names the first that
+        differs); vLLM's NCCL engine on a GPU loads tensors as they arrive, on the GPU, so they
+        are not checked there. Returns whether they were checked."""
         rendezvous = self._collective
         if rendezvous is None:
             raise ValueError("this server has no weights.collective rendezvous configured; send the weights as "
@@ -393,6 +405,9 @@ class VllmBackend:
             "dtype_names": [spec.dtype for spec in specs],
             "shapes": [list(spec.shape) for spec in specs],
         }
+        checked = bool(digests) and self._platform.device == "cpu"
+        if checked:  # vLLM's own NCCL engine takes no field it does not know
+            update_info["sha256"] = [digest.hex() for _, digest in digests]
         timeout = min(self._options.stall_timeout_s, rendezvous.timeout_s)
         async with self._update_lock:
             if not self._nccl_joined:
@@ -405,11 +420,13 @@ class VllmBackend:
                 await self._engine.collective_rpc("update_weights", timeout=timeout, kwargs={"update_info": update_info})
                 # the CPU's engine reports a transfer that failed before loading instead of raising
                 # (vLLM's worker would end the update session and leave the layers mid-reload)
-                failures = [f for f in await self._engine.collective_rpc("take_transfer_failure", timeout=timeout) if f]
+                failures = [f for f in await self._engine.collective_rpc("take_transfer_failure", timeout=timeout)
+                            if f[0]]
                 if failures:
-                    raise NothingLoaded(failures[0])
+                    raise NothingLoaded(*failures[0])
 
             await self._swap_locked(version, load)
+        return checked
 
     async def close(self) -> None:
         if self._closed:
@@ -453,6 +470,8 @@ class VllmBackend:
             # vLLM's layerwise reload puts back the old weights of every layer that loaded nothing
             await asyncio.wait_for(self._engine.finish_weight_update(), timeout)
             await self._resume(timeout)
+            if error.tensor:
+                raise DigestMismatch(f"{error}", error.tensor) from error
             raise RuntimeError(f"the update to policy version {version} failed before any weight changed "
                                f"({error}); the old weights keep serving") from error
         except BaseException as error:

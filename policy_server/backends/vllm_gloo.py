@@ -18,7 +18,7 @@ This module imports vLLM: only vLLM's processes load it (through the entry point
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -32,6 +32,7 @@ from policy_server.backends.vllm_backend import GLOO_TRANSFER_BACKEND
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.types import TensorSpec
 from sciproto.weights.group import WeightGroup
+from sciproto.weights.wire import DigestMismatch, verify_tensor_digests
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,15 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    # TensorSpec.sha256 of each tensor, hex, in the same order; empty: not checked
+    sha256: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"update_info lists {len(self.names)} names, {len(self.dtype_names)} dtypes and "
                              f"{len(self.shapes)} shapes; they must be the same length")
+        if self.sha256 and len(self.sha256) != len(self.names):
+            raise ValueError(f"update_info lists {len(self.sha256)} digests for {len(self.names)} tensors")
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -67,6 +72,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.group: WeightGroup | None = None
         self.failure = ""  # why the last transfer failed before loading; the backend takes it
+        self.failure_tensor = ""  # the tensor whose digest did not match, when that was why
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Remember the rendezvous; the group itself forms on the first update (the learner opens
@@ -106,6 +112,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             # session, which puts back the old weights of every layer that loaded nothing.
             self.group.discard()  # the learner names a new group on its next push
             self.failure = f"{type(error).__name__}: {error}"
+            return
+        try:  # the bytes received, before any reaches the model
+            verify_tensor_digests([(name, bytes.fromhex(digest))
+                                   for name, digest in zip(update_info.names, update_info.sha256)], tensors)
+        except DigestMismatch as error:
+            self.failure, self.failure_tensor = f"{error}", error.tensor
             return
         self.model.load_weights((name, tensor.to(self.device)) for name, tensor in tensors.items())
 

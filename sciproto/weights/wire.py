@@ -47,12 +47,22 @@ def dtype_to_proto(dtype: str) -> int:
 # -- sending ------------------------------------------------------------------------------------
 
 
-def header_for(tensors: Mapping[str, torch.Tensor], version: int, request_id: str = "") -> policy_pb2.WeightsHeader:
+def header_for(tensors: Mapping[str, torch.Tensor], version: int, request_id: str = "",
+               digests: Sequence[bytes] | None = None) -> policy_pb2.WeightsHeader:
+    """The header of an update of `tensors`; with `digests` (`tensor_sha256s` of the same
+    tensors), every TensorSpec carries its digest and the provenance the set's."""
     specs = [policy_pb2.TensorSpec(name=name, shape=list(t.shape), dtype=dtype_to_proto(dtype_name(t.dtype)))
              for name, t in tensors.items()]
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    return policy_pb2.WeightsHeader(request_id=request_id, policy_version=version, tensors=specs,
-                                    total_bytes=total, transport=policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS)
+    header = policy_pb2.WeightsHeader(request_id=request_id, policy_version=version, tensors=specs,
+                                      total_bytes=total, transport=policy_pb2.WEIGHT_TRANSPORT_GRPC_CHUNKS)
+    if digests is not None:
+        if len(digests) != len(specs):
+            raise ValueError(f"{len(digests)} digests for {len(specs)} tensors")
+        for spec, digest in zip(header.tensors, digests):
+            spec.sha256 = digest
+        header.provenance.set_sha256 = set_sha256(digests)
+    return header
 
 
 def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -62,6 +72,17 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> bytes:
     for tensor in tensors.values():
         digest.update(_byte_view(tensor))
     return digest.digest()
+
+
+def tensor_sha256s(tensors: Mapping[str, torch.Tensor]) -> list[bytes]:
+    """TensorSpec.sha256 of each tensor, in order: the SHA-256 of its bytes as they travel.
+    hashlib releases the GIL while it hashes, so this may run in a worker thread."""
+    return [hashlib.sha256(_byte_view(tensor)).digest() for tensor in tensors.values()]
+
+
+def set_sha256(digests: Sequence[bytes]) -> bytes:
+    """WeightsProvenance.set_sha256: the SHA-256 of the tensor digests concatenated in order."""
+    return hashlib.sha256(b"".join(digests)).digest()
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -181,35 +202,84 @@ def check_header(header: policy_pb2.WeightsHeader, manifest: Sequence[TensorSpec
     return specs
 
 
-def check_provenance(provenance: policy_pb2.WeightsProvenance, model: str) -> DigestCheck | None:
-    """Check an update's provenance before any data is read: a model_id other than the served
-    `model`, or a checksum that is not 32 bytes, is refused. Returns what checks the data's
-    SHA-256 as it arrives, when the header gave one."""
+def check_provenance(header: policy_pb2.WeightsHeader, model: str) -> DigestCheck:
+    """Check an update's provenance and digests before any data is read: a model_id other than
+    the served `model`, a checksum that is not 32 bytes, tensor digests on some tensors only, or
+    a set digest that is not theirs, is refused. Returns what checks the data against them."""
+    provenance = header.provenance
     if provenance.model_id and provenance.model_id != model:
         raise _bad_weights(f"header.provenance.model_id is {provenance.model_id!r} but this server serves "
                            f"{model!r}; send the weights of the model it serves", "")
-    if not provenance.sha256:
-        return None
-    if len(provenance.sha256) != hashlib.sha256().digest_size:
+    if provenance.sha256 and len(provenance.sha256) != _SHA256_BYTES:
         raise _bad_weights(f"header.provenance.sha256 has {len(provenance.sha256)} bytes; a SHA-256 has 32", "")
-    return DigestCheck(provenance.sha256)
+    with_digest = [spec for spec in header.tensors if spec.sha256]
+    if with_digest and len(with_digest) != len(header.tensors):
+        missing = next(spec.name for spec in header.tensors if not spec.sha256)
+        raise _bad_weights(f"tensor {missing!r} carries no sha256 but {len(with_digest)} of the header's "
+                           f"{len(header.tensors)} tensors do; give every tensor its digest or none", missing)
+    for spec in with_digest:
+        if len(spec.sha256) != _SHA256_BYTES:
+            raise _bad_weights(f"tensor {spec.name!r} has a sha256 of {len(spec.sha256)} bytes; a SHA-256 has 32",
+                               spec.name)
+    tensors = [(spec.name, spec.sha256) for spec in with_digest]
+    if provenance.set_sha256:
+        if not tensors:
+            raise _bad_weights("header.provenance.set_sha256 is set but no tensor carries a sha256; send the "
+                               "tensors' digests with it", "")
+        if provenance.set_sha256 != set_sha256([digest for _, digest in tensors]):
+            raise _bad_weights("header.provenance.set_sha256 is not the SHA-256 of the tensors' sha256 digests "
+                               "in header order; the header is inconsistent", "")
+    return DigestCheck(provenance.sha256 or None, tensors)
+
+
+_SHA256_BYTES = hashlib.sha256().digest_size
+
+
+class DigestMismatch(ValueError):
+    """A received tensor whose bytes are not the ones its TensorSpec.sha256 names."""
+
+    def __init__(self, message: str, tensor: str) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class DigestCheck:
-    """The SHA-256 of the update's data, compared with the header's once the stream ends."""
+    """What an update's header says its data is: the SHA-256 of the whole stream (`write`,
+    `finish`) and of each tensor (`verify`, on the tensors received, before the swap)."""
 
-    def __init__(self, expected: bytes) -> None:
+    def __init__(self, expected: bytes | None, tensors: Sequence[tuple[str, bytes]] = ()) -> None:
         self.expected = expected
-        self._hash = hashlib.sha256()
+        self.tensors = list(tensors)  # (name, sha256) in header order; empty when the header gave none
+        self._hash = hashlib.sha256() if expected else None
 
     def write(self, chunk: bytes | memoryview) -> None:
-        self._hash.update(chunk)
+        if self._hash is not None:
+            self._hash.update(chunk)
 
     def finish(self) -> None:
-        if self._hash.digest() != self.expected:
+        if self._hash is not None and self._hash.digest() != self.expected:
             raise _bad_weights(f"the data's SHA-256 is {self._hash.hexdigest()} but header.provenance.sha256 "
                                f"is {self.expected.hex()}: the update was corrupted or the header is wrong; "
                                "the old weights keep serving", "")
+
+    def verify(self, received: Mapping[str, torch.Tensor]) -> None:
+        """Raise DigestMismatch naming the first tensor whose bytes differ from its digest."""
+        verify_tensor_digests(self.tensors, received)
+
+    @property
+    def set_sha256(self) -> bytes:
+        return set_sha256([digest for _, digest in self.tensors]) if self.tensors else b""
+
+
+def verify_tensor_digests(expected: Sequence[tuple[str, bytes]], received: Mapping[str, torch.Tensor]) -> None:
+    """Each tensor of `received` hashed and compared with its (name, sha256) in `expected`;
+    DigestMismatch names the first that differs. A no-op when `expected` is empty."""
+    for name, digest in expected:
+        actual = hashlib.sha256(_byte_view(received[name])).digest()
+        if actual != digest:
+            raise DigestMismatch(f"tensor {name!r} arrived with SHA-256 {actual.hex()} but its header says "
+                                 f"{digest.hex()}: it was altered in transit or the sender's digest is wrong; "
+                                 "the update was refused and the old weights keep serving", name)
 
 
 def _bad_weights(message: str, tensor: str) -> InvalidArgument:

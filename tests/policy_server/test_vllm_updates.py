@@ -203,7 +203,7 @@ async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
 
     async def collective_rpc(method, timeout=None, args=(), kwargs=None):
         rpcs.append((method, timeout, kwargs))
-        return [""]  # one worker, whose transfer did not fail
+        return [("", "")]  # one worker, whose transfer did not fail
 
     engine.collective_rpc = collective_rpc
     manifest = [TensorSpec("b", (3,), "bfloat16"), TensorSpec("a", (2, 2), "float32")]
