@@ -27,10 +27,10 @@ import grpc
 import torch
 
 from sciproto.client.policy import distinct_tensors
-from learner.push_types import PushResult
+from learner.push_types import PushResult, check_serving
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.group import WeightGroup
-from sciproto.weights.wire import header_for
+from sciproto.weights.wire import header_for, set_sha256, tensor_sha256s
 from sciproto.channel import ServerAccess, make_channel
 from sciproto.errors import Reason, Unavailable, from_rpc_error
 from sciproto.pb import policy_grpc, policy_pb2
@@ -102,7 +102,10 @@ class CollectiveWeightPusher:
         started = time.monotonic()
         await self._settle_last_transfer()
         tensors = distinct_tensors(state_dict)  # tied weights once, as the servers' manifests list them
-        header = header_for(tensors, version)
+        # each tensor's SHA-256 in the header: a server checks what it received before it swaps
+        digests = await asyncio.to_thread(tensor_sha256s, tensors)
+        hashed = time.monotonic() - started
+        header = header_for(tensors, version, digests=digests)
         header.transport = policy_pb2.WEIGHT_TRANSPORT_NCCL
         self._transfer.prepare()
         calls = [asyncio.ensure_future(self._send_header(stub, header)) for stub in self._stubs]
@@ -124,7 +127,12 @@ class CollectiveWeightPusher:
             await asyncio.wait(calls, timeout=1.0)
             raise Unavailable(f"weight push of version {version} over the collective group failed: "
                               + "; ".join(self._outcomes(calls, transfer)), Reason.WEIGHTS_INCOMPLETE)
-        return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(self.targets))
+        described = await asyncio.gather(*(stub.Describe(policy_pb2.PolicyServiceDescribeRequest(),
+                                                         timeout=self.timeout_s) for stub in self._stubs))
+        for target, serving in zip(self.targets, described):
+            check_serving(target, serving, list(tensors), digests)
+        return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(self.targets),
+                          set_sha256=set_sha256(digests), hash_seconds=hashed)
 
     def _outcomes(self, calls: list[asyncio.Future], transfer: asyncio.Future) -> list[str]:
         lines = []

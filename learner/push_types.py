@@ -8,10 +8,14 @@ them without any of them importing it back.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from pydantic import BaseModel
+
+from sciproto.weights.wire import set_sha256
+from sciproto.errors import FailedPrecondition, Reason
+from sciproto.pb import policy_pb2
 
 
 class PushResult(BaseModel):
@@ -20,6 +24,41 @@ class PushResult(BaseModel):
     policy_version: int
     seconds: float
     servers: int
+    # WeightsProvenance.set_sha256 of the weights pushed (empty: not computed)
+    set_sha256: bytes = b""
+    # seconds spent hashing them (TensorSpec.sha256 of each tensor)
+    hash_seconds: float = 0.0
+
+
+class Serving(NamedTuple):
+    """What a policy server reports serving (Describe)."""
+
+    policy_version: int
+    weights_sha256: bytes  # empty: the server checked no digests of these weights
+
+
+class ServingDigestMismatch(FailedPrecondition):
+    """A policy server reports serving other weights than the ones pushed to it."""
+
+
+def check_serving(target: str, described: policy_pb2.PolicyServiceDescribeResponse,
+                  names: Sequence[str], digests: Sequence[bytes]) -> None:
+    """After a push of the tensors `names` with `digests` (TensorSpec.sha256), the server's
+    Describe must report the same set digest; ServingDigestMismatch names the first tensor it
+    holds otherwise. A server that reports no digest checked none (an NCCL update on a GPU, or a
+    server older than these digests): nothing to compare."""
+    if not described.weights_sha256 or not digests:
+        return
+    if described.weights_sha256 == set_sha256(digests):
+        return
+    serving = {spec.name: spec.sha256 for spec in described.serving_tensors}
+    tensor = next((name for name, digest in zip(names, digests) if serving.get(name) != digest),
+                  next(iter(serving.keys() - set(names)), ""))
+    raise ServingDigestMismatch(
+        f"policy server {target} serves version {described.policy_version} whose tensor {tensor!r} has SHA-256 "
+        f"{serving.get(tensor, b'').hex() or 'none'}, not the {dict(zip(names, digests)).get(tensor, b'').hex() or 'none'} "
+        "pushed; it does not serve the weights the learner trained (they are pushed again)",
+        Reason.INVALID_WEIGHTS, metadata={"tensor": tensor, "target": target, "pushed_sha256": set_sha256(digests).hex()})
 
 
 class WeightPusher(Protocol):
@@ -51,5 +90,9 @@ class ReconcilingPusher(WeightPusher, Protocol):
         """Push to the targets at `indices` only."""
         ...
 
+    async def serving_each(self, timeout_s: float) -> list[Serving | None]:
+        """Each target's serving version and weights digest, None where it cannot be reached now."""
+        ...
 
-__all__ = ["PushResult", "ReconcilingPusher", "WeightPusher"]
+
+__all__ = ["PushResult", "ReconcilingPusher", "Serving", "ServingDigestMismatch", "WeightPusher", "check_serving"]

@@ -60,6 +60,7 @@ from pydantic import BaseModel, ValidationError
 from learner.buffer import RolloutBuffer
 from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, save_checkpoint
 from learner.metrics import MetricsLogger
+from learner.push_types import Serving, ServingDigestMismatch
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepMetrics
 from learner.types import FinishReason, RewardStatus, RolloutGroup, TrainSample
@@ -241,6 +242,8 @@ class LearnerServicer:
         self._step_settled = False
         # Version every policy server should serve: that of the last push attempted.
         self._published_version: int | None = None
+        # WeightsProvenance.set_sha256 of the weights of that push; empty while unknown
+        self._published_sha256 = b""
         self._reconcile_now = asyncio.Event()
         self._reconcile_task: asyncio.Task[None] | None = None
         self._since_step = {"refused_stale": 0, "skipped_equal": 0, "refused_invalid": 0}
@@ -272,7 +275,10 @@ class LearnerServicer:
                 self.trainer.policy_version = version_after_resume(
                     self.trainer.policy_version, serving
                 )
-                await self._push()
+                try:
+                    await self._push()
+                except ServingDigestMismatch:
+                    pass  # logged; the reconcile loop pushes again
             self._published_version = self.trainer.policy_version
             self._reconcile_task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._loop_task = asyncio.create_task(self._optimizer_loop(), name="optimizer loop")
@@ -566,49 +572,86 @@ class LearnerServicer:
             except Exception:  # a failed round is retried on the next tick
                 log.exception("reconciling the policy servers' versions failed")
 
+    def _out_of_step(self, servings: list[Serving | None]) -> tuple[list[int], list[int]]:
+        """The servers behind the published version, and those that serve other weights than
+        the published ones: a newer version (pushed from elsewhere), or the same version with
+        another digest."""
+        published, digest = self._published_version, self._published_sha256
+        assert published is not None
+        behind = [i for i, s in enumerate(servings) if s is not None and s.policy_version < published]
+        other = [i for i, s in enumerate(servings) if s is not None and (
+            s.policy_version > published
+            or (s.policy_version == published and digest and s.weights_sha256 and s.weights_sha256 != digest))]
+        return behind, other
+
     async def _reconcile(self) -> None:
         pusher = self.pusher
         if pusher is None or self._published_version is None:
             return
-        if not hasattr(pusher, "versions_each"):
+        if not hasattr(pusher, "serving_each"):
             return  # this transport pushes to every server at once only
-        versions = await pusher.versions_each(timeout_s=min(10.0, self.config.push_timeout_s))
-        behind = [
-            i for i, v in enumerate(versions) if v is not None and v < self._published_version
-        ]
-        if not behind:
+        servings = await pusher.serving_each(timeout_s=min(10.0, self.config.push_timeout_s))
+        if not any(self._out_of_step(servings)):
             return
         async with self._step_lock:
             # A step's own push may have finished while we waited for the lock: ask again.
-            versions = await pusher.versions_each(timeout_s=min(10.0, self.config.push_timeout_s))
-            behind = [
-                i for i, v in enumerate(versions) if v is not None and v < self._published_version
-            ]
-            if not behind:
+            servings = await pusher.serving_each(timeout_s=min(10.0, self.config.push_timeout_s))
+            behind, other = self._out_of_step(servings)
+            if not behind and not other:
                 return
             version = self.trainer.policy_version
-            targets = [self.config.policy_targets[i] for i in behind]
+            indices = behind
+            for i in other:
+                serving = servings[i]
+                assert serving is not None
+                log.error("policy server %s serves version %d with weights SHA-256 %s, not the %s pushed as "
+                          "version %d: it does not serve the weights the learner trained; pushing them again",
+                          self.config.policy_targets[i], serving.policy_version,
+                          serving.weights_sha256.hex() or "(none)", self._published_sha256.hex() or "(unknown)",
+                          self._published_version)
+            if other:
+                # versions only grow: the weights go again, as a version above any served, to every server
+                version = version_after_resume(version, [s.policy_version for s in servings if s is not None])
+                self.trainer.policy_version = version
+                indices = [i for i, s in enumerate(servings) if s is not None]
+            targets = [self.config.policy_targets[i] for i in indices]
             log.warning(
-                "policy servers %s serve versions %s, behind version %d: pushing version %d",
+                "policy servers %s serve versions %s, not version %d: pushing version %d",
                 targets,
-                [versions[i] for i in behind],
+                [servings[i].policy_version for i in indices],  # type: ignore[union-attr]
                 self._published_version,
                 version,
             )
             weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
+            self._published_version = version
             try:
-                result = await pusher.push_to(behind, weights, version)
+                result = await pusher.push_to(indices, weights, version)
             except SciprotoError as error:
+                self._note_push_failure(error)
                 log.warning("re-push of version %d to %s failed (retried): %s", version, targets, error)
                 return
-            self._published_version = version
+            self._published_sha256 = result.set_sha256
             log.info("re-pushed version %d to %s in %.2f s", version, targets, result.seconds)
 
     async def _push(self) -> float:
         assert self.pusher is not None
         weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
-        result = await self.pusher.push(weights, self.trainer.policy_version)
+        try:
+            result = await self.pusher.push(weights, self.trainer.policy_version)
+        except SciprotoError as error:
+            self._note_push_failure(error)
+            raise
+        self._published_sha256 = result.set_sha256
         return result.seconds
+
+    def _note_push_failure(self, error: SciprotoError) -> None:
+        """What every server should serve after a failed push: the weights pushed, whose digest a
+        ServingDigestMismatch carries (a server that reports another is pushed again); unknown
+        after any other failure."""
+        pushed = error.metadata.get("pushed_sha256", "") if isinstance(error, ServingDigestMismatch) else ""
+        self._published_sha256 = bytes.fromhex(pushed)
+        if pushed:
+            log.error("%s", error)
 
     async def _save_checkpoint_locked(self, root: Path) -> Path:
         """Write trainer and learner state; the caller holds the step lock."""

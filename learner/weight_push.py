@@ -21,9 +21,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from sciproto.client.policy import PolicyClient, push_weights_to_all
-from learner.push_types import PushResult, ReconcilingPusher, WeightPusher
+from sciproto.client.policy import PolicyClient, distinct_tensors, push_weights_to_all
+from learner.push_types import PushResult, ReconcilingPusher, Serving, WeightPusher, check_serving
 from learner.server_config import LearnerServerConfig
+from sciproto.weights.wire import set_sha256, tensor_sha256s
 from sciproto.channel import ServerAccess
 from sciproto.config import ConfigError
 from sciproto.errors import SciprotoError
@@ -48,23 +49,36 @@ class GrpcWeightPusher:
         return await self.push_to(range(len(self._clients)), state_dict, version)
 
     async def versions_each(self, timeout_s: float) -> list[int | None]:
-        async def one(client: PolicyClient) -> int | None:
+        return [None if serving is None else serving.policy_version for serving in await self.serving_each(timeout_s)]
+
+    async def serving_each(self, timeout_s: float) -> list[Serving | None]:
+        """Each target's serving version and weights digest, None where it cannot be reached now."""
+        async def one(client: PolicyClient) -> Serving | None:
             try:
-                return (await client.describe(timeout_s=timeout_s)).policy_version
+                described = await client.describe(timeout_s=timeout_s)
             except SciprotoError:
                 return None
+            return Serving(described.policy_version, described.weights_sha256)
 
         return list(await asyncio.gather(*(one(c) for c in self._clients)))
 
     async def push_to(
         self, indices: Sequence[int], state_dict: Mapping[str, torch.Tensor], version: int
     ) -> PushResult:
+        """Push with every tensor's SHA-256 in the header (each server checks what it received
+        before it swaps), then ask each server what it serves: ServingDigestMismatch names a
+        tensor that a server holds otherwise."""
         started = time.monotonic()
         clients = [self._clients[i] for i in indices]
-        await push_weights_to_all(clients, state_dict, version, timeout_s=self.timeout_s)
-        return PushResult(
-            policy_version=version, seconds=time.monotonic() - started, servers=len(clients)
-        )
+        tensors = distinct_tensors(state_dict)
+        digests = await asyncio.to_thread(tensor_sha256s, tensors)
+        hashed = time.monotonic() - started
+        await push_weights_to_all(clients, tensors, version, timeout_s=self.timeout_s, digests=digests)
+        described = await asyncio.gather(*(client.describe(timeout_s=self.timeout_s) for client in clients))
+        for index, serving in zip(indices, described):
+            check_serving(self.targets[index], serving, list(tensors), digests)
+        return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(clients),
+                          set_sha256=set_sha256(digests), hash_seconds=hashed)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.close() for client in self._clients))

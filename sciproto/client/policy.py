@@ -142,14 +142,15 @@ class PolicyClient:
 
     async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                            chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,
-                           request_id: str = "", provenance: policy_pb2.WeightsProvenance | None = None
-                           ) -> policy_pb2.UpdateWeightsResponse:
+                           request_id: str = "", provenance: policy_pb2.WeightsProvenance | None = None,
+                           digests: Sequence[bytes] | None = None) -> policy_pb2.UpdateWeightsResponse:
         """Send every tensor of `state_dict` (the model's full parameter set, in any order) as
         policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
         copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
         `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it.
-        `provenance` (model id, run id, `weights_sha256` of the tensors) is checked by the server
-        before it swaps."""
+        `provenance` (model id, run id, `weights_sha256` of the tensors) and `digests`
+        (`tensor_sha256s` of `distinct_tensors(state_dict)`: each tensor's SHA-256, which the
+        server checks and then reports in Describe) are checked by the server before it swaps."""
         from sciproto.weights.wire import (
             chunk_parts,
             data_message_wire,
@@ -163,10 +164,10 @@ class PolicyClient:
                 UPDATE_WEIGHTS, request_serializer=serialize_request,
                 response_deserializer=policy_pb2.UpdateWeightsResponse.FromString)
         state_dict = distinct_tensors(state_dict)
-        header = header_for(state_dict, version, request_id)
+        header = header_for(state_dict, version, request_id, digests)
         header.trace_context.CopyFrom(current_trace_context())
         if provenance is not None:
-            header.provenance.CopyFrom(provenance)
+            header.provenance.MergeFrom(provenance)
 
         async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest | bytes]:
             yield policy_pb2.UpdateWeightsRequest(header=header)
@@ -193,11 +194,12 @@ def distinct_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 async def push_weights_to_all(clients: Iterable[PolicyClient], state_dict: Mapping[str, torch.Tensor],
                               version: int, chunk_bytes: int = 4 * MiB,
-                              timeout_s: float | None = None) -> list[policy_pb2.UpdateWeightsResponse]:
+                              timeout_s: float | None = None, digests: Sequence[bytes] | None = None
+                              ) -> list[policy_pb2.UpdateWeightsResponse]:
     """Push the same weights to several servers concurrently; raises the first failure after all
     pushes have ended (a server that failed keeps its old weights)."""
     results = await asyncio.gather(
-        *(client.push_weights(state_dict, version, chunk_bytes, timeout_s) for client in clients),
+        *(client.push_weights(state_dict, version, chunk_bytes, timeout_s, digests=digests) for client in clients),
         return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
