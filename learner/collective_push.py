@@ -81,13 +81,14 @@ class CollectiveWeightPusher:
     """A WeightPusher (see learner.weight_push) whose tensors travel over `transfer`."""
 
     def __init__(self, targets: Sequence[str], transfer: Transfer, timeout_s: float,
-                 access: ServerAccess | None = None, answer_wait_s: float = 15.0) -> None:
+                 access: ServerAccess | None = None, answer_wait_s: float = 15.0, digests: bool = True) -> None:
         if not targets:
             raise ValueError("a collective weight push needs policy_targets: the servers that receive the weights")
         self.targets = list(targets)
         self.timeout_s = timeout_s
         self.answer_wait_s = min(answer_wait_s, timeout_s)  # after a failure, for the servers' own errors
         self._transfer = transfer
+        self._digests = digests  # whether headers carry each tensor's SHA-256 (servers check them)
         access = access or ServerAccess()
         self._channels = [make_channel(access.channel(target)) for target in self.targets]
         self._stubs = [policy_grpc.PolicyServiceStub(channel) for channel in self._channels]
@@ -103,9 +104,9 @@ class CollectiveWeightPusher:
         await self._settle_last_transfer()
         tensors = distinct_tensors(state_dict)  # tied weights once, as the servers' manifests list them
         # each tensor's SHA-256 in the header: a server checks what it received before it swaps
-        digests = await asyncio.to_thread(tensor_sha256s, tensors)
+        digests = await asyncio.to_thread(tensor_sha256s, tensors) if self._digests else []
         hashed = time.monotonic() - started
-        header = header_for(tensors, version, digests=digests)
+        header = header_for(tensors, version, digests=digests or None)
         header.transport = policy_pb2.WEIGHT_TRANSPORT_NCCL
         self._transfer.prepare()
         calls = [asyncio.ensure_future(self._send_header(stub, header)) for stub in self._stubs]
@@ -132,7 +133,7 @@ class CollectiveWeightPusher:
         for target, serving in zip(self.targets, described):
             check_serving(target, serving, list(tensors), digests)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(self.targets),
-                          set_sha256=set_sha256(digests), hash_seconds=hashed)
+                          set_sha256=set_sha256(digests) if digests else b"", hash_seconds=hashed)
 
     def _outcomes(self, calls: list[asyncio.Future], transfer: asyncio.Future) -> list[str]:
         lines = []

@@ -86,7 +86,10 @@ class NcclWeightPusher(CollectiveWeightPusher):
                  access: ServerAccess | None = None) -> None:
         if not targets:
             raise ValueError("push_transport nccl needs policy_targets: the servers that receive the weights")
-        super().__init__(targets, VllmNcclTransfer(rendezvous, device), timeout_s, access)
+        # No digests: vLLM's NCCL engine loads each tensor as it arrives, on the GPU, so a server
+        # cannot check them before the swap, and hashing here would copy the model off the GPU
+        # every push for nothing.
+        super().__init__(targets, VllmNcclTransfer(rendezvous, device), timeout_s, access, digests=False)
 
 
 def build_weight_pusher(config: LearnerServerConfig) -> NcclWeightPusher:

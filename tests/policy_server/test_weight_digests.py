@@ -116,7 +116,8 @@ async def _describe(target: str) -> policy_pb2.PolicyServiceDescribeResponse:
 @pytest.mark.parametrize("backend", ["transformers", "vllm"])
 async def test_a_tensor_altered_on_the_gloo_group_is_refused_and_the_old_weights_serve(backend: str) -> None:
     port = _free_port()
-    rendezvous = _rendezvous(port).model_copy(update={"world_size": 2})
+    # a loaded machine may take a while to form the group; the test waits on nothing else
+    rendezvous = _rendezvous(port).model_copy(update={"world_size": 2, "timeout_s": 60})
     generator = policy_server_process(*_server_flags(rendezvous, backend))
     server = next(generator)
     weights = distinct_tensors(dict(reference_model(seed=1).model.state_dict()))
