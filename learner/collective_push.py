@@ -26,14 +26,14 @@ from typing import Protocol
 import grpc
 import torch
 
-from sciproto.client.policy import distinct_tensors
 from learner.push_types import PushResult, check_serving
-from sciproto.weights.rendezvous import CollectiveRendezvous
-from sciproto.weights.group import WeightGroup
-from sciproto.weights.wire import header_for, set_sha256, tensor_sha256s
 from sciproto.channel import ServerAccess, make_channel
+from sciproto.client.policy import distinct_tensors
 from sciproto.errors import Reason, Unavailable, from_rpc_error
 from sciproto.pb import policy_grpc, policy_pb2
+from sciproto.weights.group import WeightGroup
+from sciproto.weights.rendezvous import CollectiveRendezvous
+from sciproto.weights.wire import header_for, set_digest, tensor_digests
 
 
 class Transfer(Protocol):
@@ -88,7 +88,7 @@ class CollectiveWeightPusher:
         self.timeout_s = timeout_s
         self.answer_wait_s = min(answer_wait_s, timeout_s)  # after a failure, for the servers' own errors
         self._transfer = transfer
-        self._digests = digests  # whether headers carry each tensor's SHA-256 (servers check them)
+        self._digests = digests  # whether headers carry each tensor's digest (servers check them)
         access = access or ServerAccess()
         self._channels = [make_channel(access.channel(target)) for target in self.targets]
         self._stubs = [policy_grpc.PolicyServiceStub(channel) for channel in self._channels]
@@ -103,8 +103,8 @@ class CollectiveWeightPusher:
         started = time.monotonic()
         await self._settle_last_transfer()
         tensors = distinct_tensors(state_dict)  # tied weights once, as the servers' manifests list them
-        # each tensor's SHA-256 in the header: a server checks what it received before it swaps
-        digests = await asyncio.to_thread(tensor_sha256s, tensors) if self._digests else []
+        # each tensor's digest in the header: a server checks what it received before it swaps
+        digests = await asyncio.to_thread(tensor_digests, tensors) if self._digests else []
         hashed = time.monotonic() - started
         header = header_for(tensors, version, digests=digests or None)
         header.transport = policy_pb2.WEIGHT_TRANSPORT_NCCL
@@ -133,7 +133,7 @@ class CollectiveWeightPusher:
         for target, serving in zip(self.targets, described):
             check_serving(target, serving, list(tensors), digests)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(self.targets),
-                          set_sha256=set_sha256(digests) if digests else b"", hash_seconds=hashed)
+                          set_digest=set_digest(digests) if digests else b"", hash_seconds=hashed)
 
     def _outcomes(self, calls: list[asyncio.Future], transfer: asyncio.Future) -> list[str]:
         lines = []

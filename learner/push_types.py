@@ -13,9 +13,9 @@ from typing import NamedTuple, Protocol
 import torch
 from pydantic import BaseModel
 
-from sciproto.weights.wire import set_sha256
 from sciproto.errors import FailedPrecondition, Reason
 from sciproto.pb import policy_pb2
+from sciproto.weights.wire import set_digest
 
 
 class PushResult(BaseModel):
@@ -24,9 +24,9 @@ class PushResult(BaseModel):
     policy_version: int
     seconds: float
     servers: int
-    # WeightsProvenance.set_sha256 of the weights pushed (empty: not computed)
-    set_sha256: bytes = b""
-    # seconds spent hashing them (TensorSpec.sha256 of each tensor)
+    # WeightsProvenance.set_digest of the weights pushed (empty: not computed)
+    set_digest: bytes = b""
+    # seconds spent hashing them (TensorSpec.digest of each tensor)
     hash_seconds: float = 0.0
 
 
@@ -34,7 +34,7 @@ class Serving(NamedTuple):
     """What a policy server reports serving (Describe)."""
 
     policy_version: int
-    weights_sha256: bytes  # empty: the server checked no digests of these weights
+    weights_digest: bytes  # empty: the server checked no digests of these weights
 
 
 class ServingDigestMismatch(FailedPrecondition):
@@ -43,22 +43,22 @@ class ServingDigestMismatch(FailedPrecondition):
 
 def check_serving(target: str, described: policy_pb2.PolicyServiceDescribeResponse,
                   names: Sequence[str], digests: Sequence[bytes]) -> None:
-    """After a push of the tensors `names` with `digests` (TensorSpec.sha256), the server's
+    """After a push of the tensors `names` with `digests` (TensorSpec.digest), the server's
     Describe must report the same set digest; ServingDigestMismatch names the first tensor it
     holds otherwise. A server that reports no digest checked none (an NCCL update on a GPU, or a
     server older than these digests): nothing to compare."""
-    if not described.weights_sha256 or not digests:
+    if not described.weights_digest or not digests:
         return
-    if described.weights_sha256 == set_sha256(digests):
+    if described.weights_digest == set_digest(digests):
         return
-    serving = {spec.name: spec.sha256 for spec in described.serving_tensors}
+    serving = {spec.name: spec.digest for spec in described.serving_tensors}
     tensor = next((name for name, digest in zip(names, digests) if serving.get(name) != digest),
                   next(iter(serving.keys() - set(names)), ""))
     raise ServingDigestMismatch(
-        f"policy server {target} serves version {described.policy_version} whose tensor {tensor!r} has SHA-256 "
+        f"policy server {target} serves version {described.policy_version} whose tensor {tensor!r} has digest "
         f"{serving.get(tensor, b'').hex() or 'none'}, not the {dict(zip(names, digests)).get(tensor, b'').hex() or 'none'} "
         "pushed; it does not serve the weights the learner trained (they are pushed again)",
-        Reason.INVALID_WEIGHTS, metadata={"tensor": tensor, "target": target, "pushed_sha256": set_sha256(digests).hex()})
+        Reason.INVALID_WEIGHTS, metadata={"tensor": tensor, "target": target, "pushed_digest": set_digest(digests).hex()})
 
 
 class WeightPusher(Protocol):

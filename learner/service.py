@@ -242,8 +242,8 @@ class LearnerServicer:
         self._step_settled = False
         # Version every policy server should serve: that of the last push attempted.
         self._published_version: int | None = None
-        # WeightsProvenance.set_sha256 of the weights of that push; empty while unknown
-        self._published_sha256 = b""
+        # WeightsProvenance.set_digest of the weights of that push; empty while unknown
+        self._published_digest = b""
         self._reconcile_now = asyncio.Event()
         self._reconcile_task: asyncio.Task[None] | None = None
         self._since_step = {"refused_stale": 0, "skipped_equal": 0, "refused_invalid": 0}
@@ -576,12 +576,12 @@ class LearnerServicer:
         """The servers behind the published version, and those that serve other weights than
         the published ones: a newer version (pushed from elsewhere), or the same version with
         another digest."""
-        published, digest = self._published_version, self._published_sha256
+        published, digest = self._published_version, self._published_digest
         assert published is not None
         behind = [i for i, s in enumerate(servings) if s is not None and s.policy_version < published]
         other = [i for i, s in enumerate(servings) if s is not None and (
             s.policy_version > published
-            or (s.policy_version == published and digest and s.weights_sha256 and s.weights_sha256 != digest))]
+            or (s.policy_version == published and digest and s.weights_digest and s.weights_digest != digest))]
         return behind, other
 
     async def _reconcile(self) -> None:
@@ -604,10 +604,10 @@ class LearnerServicer:
             for i in other:
                 serving = servings[i]
                 assert serving is not None
-                log.error("policy server %s serves version %d with weights SHA-256 %s, not the %s pushed as "
+                log.error("policy server %s serves version %d with weights digest %s, not the %s pushed as "
                           "version %d: it does not serve the weights the learner trained; pushing them again",
                           self.config.policy_targets[i], serving.policy_version,
-                          serving.weights_sha256.hex() or "(none)", self._published_sha256.hex() or "(unknown)",
+                          serving.weights_digest.hex() or "(none)", self._published_digest.hex() or "(unknown)",
                           self._published_version)
             if other:
                 # versions only grow: the weights go again, as a version above any served, to every server
@@ -630,7 +630,7 @@ class LearnerServicer:
                 self._note_push_failure(error)
                 log.warning("re-push of version %d to %s failed (retried): %s", version, targets, error)
                 return
-            self._published_sha256 = result.set_sha256
+            self._published_digest = result.set_digest
             log.info("re-pushed version %d to %s in %.2f s", version, targets, result.seconds)
 
     async def _push(self) -> float:
@@ -641,15 +641,15 @@ class LearnerServicer:
         except SciprotoError as error:
             self._note_push_failure(error)
             raise
-        self._published_sha256 = result.set_sha256
+        self._published_digest = result.set_digest
         return result.seconds
 
     def _note_push_failure(self, error: SciprotoError) -> None:
         """What every server should serve after a failed push: the weights pushed, whose digest a
         ServingDigestMismatch carries (a server that reports another is pushed again); unknown
         after any other failure."""
-        pushed = error.metadata.get("pushed_sha256", "") if isinstance(error, ServingDigestMismatch) else ""
-        self._published_sha256 = bytes.fromhex(pushed)
+        pushed = error.metadata.get("pushed_digest", "") if isinstance(error, ServingDigestMismatch) else ""
+        self._published_digest = bytes.fromhex(pushed)
         if pushed:
             log.error("%s", error)
 

@@ -21,13 +21,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from sciproto.client.policy import PolicyClient, distinct_tensors, push_weights_to_all
 from learner.push_types import PushResult, ReconcilingPusher, Serving, WeightPusher, check_serving
 from learner.server_config import LearnerServerConfig
-from sciproto.weights.wire import set_sha256, tensor_sha256s
 from sciproto.channel import ServerAccess
+from sciproto.client.policy import PolicyClient, distinct_tensors, push_weights_to_all
 from sciproto.config import ConfigError
 from sciproto.errors import SciprotoError
+from sciproto.weights.wire import set_digest, tensor_digests
 
 
 class GrpcWeightPusher:
@@ -58,27 +58,27 @@ class GrpcWeightPusher:
                 described = await client.describe(timeout_s=timeout_s)
             except SciprotoError:
                 return None
-            return Serving(described.policy_version, described.weights_sha256)
+            return Serving(described.policy_version, described.weights_digest)
 
         return list(await asyncio.gather(*(one(c) for c in self._clients)))
 
     async def push_to(
         self, indices: Sequence[int], state_dict: Mapping[str, torch.Tensor], version: int
     ) -> PushResult:
-        """Push with every tensor's SHA-256 in the header (each server checks what it received
+        """Push with every tensor's digest in the header (each server checks what it received
         before it swaps), then ask each server what it serves: ServingDigestMismatch names a
         tensor that a server holds otherwise."""
         started = time.monotonic()
         clients = [self._clients[i] for i in indices]
         tensors = distinct_tensors(state_dict)
-        digests = await asyncio.to_thread(tensor_sha256s, tensors)
+        digests = await asyncio.to_thread(tensor_digests, tensors)
         hashed = time.monotonic() - started
         await push_weights_to_all(clients, tensors, version, timeout_s=self.timeout_s, digests=digests)
         described = await asyncio.gather(*(client.describe(timeout_s=self.timeout_s) for client in clients))
         for index, serving in zip(indices, described):
             check_serving(self.targets[index], serving, list(tensors), digests)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(clients),
-                          set_sha256=set_sha256(digests), hash_seconds=hashed)
+                          set_digest=set_digest(digests), hash_seconds=hashed)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.close() for client in self._clients))

@@ -97,8 +97,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             quantization=info.quantization, max_context_tokens=info.max_context,
             policy_version=info.policy_version, supports_weight_updates=info.supports_weight_updates,
             active_requests=len(self._active), weights_run_id=self._weights_run_id,
-            weights_sha256=self._serving_digests.set_sha256,
-            serving_tensors=[policy_pb2.TensorSpec(name=name, sha256=digest)
+            weights_digest=self._serving_digests.set_digest,
+            serving_tensors=[policy_pb2.TensorSpec(name=name, digest=digest)
                              for name, digest in self._serving_digests.tensors],
         )
 

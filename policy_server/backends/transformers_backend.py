@@ -223,7 +223,7 @@ class TransformersBackend:
         """Take an update whose tensors the learner broadcasts over the gloo weight-transfer group
         (`sciproto.weights.group`), in the order of `specs` (the header, already checked
         against the manifest). They land in fresh tensors, which are checked against the header's
-        `digests` (name, sha256; DigestMismatch names the first that differs); the swap is
+        `digests` (name, digest; DigestMismatch names the first that differs); the swap is
         `update_weights`, so a transfer that fails, times out or was altered leaves the old weights
         serving. Returns whether the digests were checked (True when there were any)."""
         group = self._weight_group

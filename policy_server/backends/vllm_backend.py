@@ -392,7 +392,7 @@ class VllmBackend:
         on the CPU), in the order of `specs` (the UpdateWeights header); returns when every worker
         has loaded them. The first call joins the learner's group, which the learner opens at the
         same time. On the CPU each worker checks the bytes it received against the header's
-        `digests` (name, sha256) before it loads any (DigestMismatch names the first that
+        `digests` (name, digest) before it loads any (DigestMismatch names the first that
         differs); vLLM's NCCL engine on a GPU loads tensors as they arrive, on the GPU, so they
         are not checked there. Returns whether they were checked."""
         rendezvous = self._collective
@@ -407,7 +407,7 @@ class VllmBackend:
         }
         checked = bool(digests) and self._platform.device == "cpu"
         if checked:  # vLLM's own NCCL engine takes no field it does not know
-            update_info["sha256"] = [digest.hex() for _, digest in digests]
+            update_info["digests"] = [digest.hex() for _, digest in digests]
         timeout = min(self._options.stall_timeout_s, rendezvous.timeout_s)
         async with self._update_lock:
             if not self._nccl_joined:

@@ -51,15 +51,15 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    # TensorSpec.sha256 of each tensor, hex, in the same order; empty: not checked
-    sha256: list[str] = field(default_factory=list)
+    # TensorSpec.digest of each tensor, hex, in the same order; empty: not checked
+    digests: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"update_info lists {len(self.names)} names, {len(self.dtype_names)} dtypes and "
                              f"{len(self.shapes)} shapes; they must be the same length")
-        if self.sha256 and len(self.sha256) != len(self.names):
-            raise ValueError(f"update_info lists {len(self.sha256)} digests for {len(self.names)} tensors")
+        if self.digests and len(self.digests) != len(self.names):
+            raise ValueError(f"update_info lists {len(self.digests)} digests for {len(self.names)} tensors")
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -115,7 +115,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             return
         try:  # the bytes received, before any reaches the model
             verify_tensor_digests([(name, bytes.fromhex(digest))
-                                   for name, digest in zip(update_info.names, update_info.sha256)], tensors)
+                                   for name, digest in zip(update_info.names, update_info.digests)], tensors)
         except DigestMismatch as error:
             self.failure, self.failure_tensor = f"{error}", error.tensor
             return

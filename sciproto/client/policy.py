@@ -149,7 +149,7 @@ class PolicyClient:
         copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
         `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it.
         `provenance` (model id, run id, `weights_sha256` of the tensors) and `digests`
-        (`tensor_sha256s` of `distinct_tensors(state_dict)`: each tensor's SHA-256, which the
+        (`tensor_digests` of `distinct_tensors(state_dict)`: each tensor's XXH3-128, which the
         server checks and then reports in Describe) are checked by the server before it swaps."""
         from sciproto.weights.wire import (
             chunk_parts,

@@ -1,4 +1,4 @@
-"""Every weight update carries each tensor's SHA-256 (and the set's); a real `tiny` policy server
+"""Every weight update carries each tensor's digest (XXH3-128) and the set's; a real `tiny` policy server
 checks what it received before it swaps, over gRPC chunks and over the gloo group alike, refuses
 an altered tensor by name with the old weights serving on, and reports the digest of what it
 serves in Describe."""
@@ -6,18 +6,18 @@ serves in Describe."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import pytest
+import xxhash
 from policy_service_helpers import SEED, policy_server_process, reference_model
 from test_collective_weights import _free_port, _greedy, _rendezvous, _served_by, _server_flags
 from test_service_weights import GREEDY, parameters_of_seed, raw_update
 
-from clients.policy_client import PolicyClient, distinct_tensors
 from learner.collective_push import CollectiveWeightPusher, GlooTransfer
-from policy_server.weights_stream import header_for
+from sciproto.client.policy import PolicyClient, distinct_tensors
 from sciproto.errors import InvalidArgument, Reason, Unavailable
 from sciproto.pb import policy_grpc, policy_pb2
+from sciproto.weights.wire import header_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -43,11 +43,11 @@ async def test_a_chunk_altered_in_flight_is_refused_naming_its_tensor(client: Po
     greedy_before = await client.generate_group(GREEDY)
     version = before.policy_version + 1
     weights = parameters_of_seed(SEED + 11)
-    digests = [hashlib.sha256(t.numpy().tobytes()).digest() for t in weights.values()]
+    digests = [xxhash.xxh3_128_digest(t.numpy().tobytes()) for t in weights.values()]
     header = header_for(weights, version)
     for spec, digest in zip(header.tensors, digests):
-        spec.sha256 = digest
-    header.provenance.set_sha256 = hashlib.sha256(b"".join(digests)).digest()
+        spec.digest = digest
+    header.provenance.set_digest = xxhash.xxh3_128_digest(b"".join(digests))
     data = b"".join(t.numpy().tobytes() for t in weights.values())
     position = 3 * CHUNK + 17  # one bit of the fourth chunk flips on the way
     chunks = [altered_at(data, position)[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
@@ -62,28 +62,28 @@ async def test_a_chunk_altered_in_flight_is_refused_naming_its_tensor(client: Po
     name = tensor_at(weights, position)
     assert refused.value.reason == Reason.INVALID_WEIGHTS and refused.value.metadata.get("tensor") == name
     assert f"tensor {name!r}" in refused.value.message and "old weights keep serving" in refused.value.message
-    assert (kept.policy_version, kept.weights_sha256) == (before.policy_version, before.weights_sha256)
+    assert (kept.policy_version, kept.weights_digest) == (before.policy_version, before.weights_digest)
     assert list(greedy_kept.samples[0].completion_token_ids) == list(greedy_before.samples[0].completion_token_ids)
-    assert applied.policy_version == version and applied.weights_sha256 == header.provenance.set_sha256
-    assert [(t.name, t.sha256) for t in applied.serving_tensors] == list(zip(weights, digests))
+    assert applied.policy_version == version and applied.weights_digest == header.provenance.set_digest
+    assert [(t.name, t.digest) for t in applied.serving_tensors] == list(zip(weights, digests))
 
 
 async def test_a_header_whose_set_digest_is_not_its_tensors_is_refused_before_any_data(client: PolicyClient) -> None:
     before = await client.describe()
     weights = parameters_of_seed(SEED + 12)
-    digests = [hashlib.sha256(t.numpy().tobytes()).digest() for t in weights.values()]
+    digests = [xxhash.xxh3_128_digest(t.numpy().tobytes()) for t in weights.values()]
     header = header_for(weights, before.policy_version + 1)
     for spec, digest in zip(header.tensors, digests):
-        spec.sha256 = digest
+        spec.digest = digest
     partial = policy_pb2.WeightsHeader()
     partial.CopyFrom(header)
-    header.provenance.set_sha256 = bytes(32)
-    partial.tensors[2].ClearField("sha256")
+    header.provenance.set_digest = bytes(16)
+    partial.tensors[2].ClearField("digest")
     with pytest.raises(InvalidArgument) as inconsistent:
         await raw_update(client, header, [])
     with pytest.raises(InvalidArgument) as some_only:
         await raw_update(client, partial, [])
-    assert "set_sha256" in inconsistent.value.message
+    assert "set_digest" in inconsistent.value.message
     assert some_only.value.metadata.get("tensor") == partial.tensors[2].name
     assert (await client.describe()).policy_version == before.policy_version
 
@@ -137,8 +137,8 @@ async def test_a_tensor_altered_on_the_gloo_group_is_refused_and_the_old_weights
         await asyncio.wait_for(pusher.aclose(), 60)
         generator.close()
     assert f"tensor {victim!r}" in str(failed.value)
-    assert kept.policy_version == 0 and not kept.weights_sha256 and served_old
-    assert applied.policy_version == 2 and applied.weights_sha256 == result.set_sha256 and served_new
+    assert kept.policy_version == 0 and not kept.weights_digest and served_old
+    assert applied.policy_version == 2 and applied.weights_digest == result.set_digest and served_new
     assert [t.name for t in applied.serving_tensors] == list(weights)
 
 
@@ -163,9 +163,9 @@ class LyingProxy:
 
         async def on_describe(request: bytes, context) -> bytes:
             reply = policy_pb2.PolicyServiceDescribeResponse.FromString(await describe(request, timeout=10))
-            if len(self.headers) == 1 and reply.weights_sha256:
-                reply.weights_sha256 = bytes(32)
-                reply.serving_tensors[1].sha256 = bytes(32)
+            if len(self.headers) == 1 and reply.weights_digest:
+                reply.weights_digest = bytes(16)
+                reply.serving_tensors[1].digest = bytes(16)
                 self.lied_about = reply.serving_tensors[1].name
             return reply.SerializeToString()
 
@@ -224,6 +224,6 @@ async def test_a_server_reporting_another_digest_is_pushed_again(client: PolicyC
     first, second = proxy.headers[0], proxy.headers[-1]
     assert len(proxy.headers) == 2, log
     assert first.policy_version == before.policy_version + 2 and second.policy_version == first.policy_version + 1
-    assert first.provenance.set_sha256 and second.provenance.set_sha256 == first.provenance.set_sha256
-    assert (served.policy_version, served.weights_sha256) == (second.policy_version, second.provenance.set_sha256)
+    assert first.provenance.set_digest and second.provenance.set_digest == first.provenance.set_digest
+    assert (served.policy_version, served.weights_digest) == (second.policy_version, second.provenance.set_digest)
     assert f"tensor {proxy.lied_about!r}" in log and "does not serve the weights the learner trained" in log
