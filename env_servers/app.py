@@ -20,7 +20,7 @@ from env_servers.service import EnvironmentService
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import ENV_SERVICE, env_grpc
-from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("env_servers.app")
@@ -44,8 +44,10 @@ def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
     return sources
 
 
-async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource],
-                authenticator: Authenticator | None) -> None:
+async def start(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource],
+                authenticator: Authenticator | None) -> RunningServer:
+    """Load the service and start serving it; returns at once (the caller stops the server).
+    `serve` waits for a signal around it; a cluster engine's actor calls it directly."""
     # Directories of env servers that were killed (their clean-up never ran); never a live one's.
     scratch.remove_orphans()
     service = EnvironmentService(settings, sources)
@@ -53,12 +55,18 @@ async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSour
     # out of the collector's full passes, which otherwise walk it while serving and at exit.
     gc.freeze()
     service.start()
+    running = await start_server(
+        settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)],
+        interceptors=server_interceptors(settings.tracing), auth=authenticator)
+    log.info("hosting %s on %s:%d", ", ".join(sources), settings.server.host, running.port)
+    return running
+
+
+async def serve(settings: EnvServerConfig, sources: Mapping[str, EnvironmentSource],
+                authenticator: Authenticator | None) -> None:
     setup_tracing(settings.tracing, "sciproto-env")
     try:
-        running = await start_server(
-            settings.server, [Service(ENV_SERVICE, service, env_grpc.add_EnvironmentServiceServicer_to_server)],
-            interceptors=server_interceptors(settings.tracing), auth=authenticator)
-        log.info("hosting %s on %s:%d", ", ".join(sources), settings.server.host, running.port)
+        running = await start(settings, sources, authenticator)
         await serve_until_signalled(running, on_ready=lambda port: announce_port("env", port))
     finally:
         shutdown_tracing()

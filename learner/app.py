@@ -21,7 +21,7 @@ from sciproto.weights.wire import PROTO_TO_DTYPE
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
-from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("learner")
@@ -71,12 +71,16 @@ async def resolve_push_dtype(config: LearnerServerConfig) -> torch.dtype:
 async def serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
     setup_tracing(config.tracing, "sciproto-learner")
     try:
-        await _serve(config, authenticator)
+        running = await start(config, authenticator)
+        await serve_until_signalled(running, on_ready=lambda port: announce_port("learner", port))
     finally:
         shutdown_tracing()
 
 
-async def _serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
+async def start(config: LearnerServerConfig, authenticator: Authenticator | None) -> RunningServer:
+    """Build the trainer, resume, and start serving; returns at once (stopping the server saves
+    the final checkpoint). `serve` waits for a signal around it; a cluster engine's actor calls it
+    directly."""
     trainer, model_name = build_trainer(config)
     trainer.push_dtype = await resolve_push_dtype(config)
     pusher = build_weight_pusher(config) if config.policy_targets else None
@@ -100,7 +104,7 @@ async def _serve(config: LearnerServerConfig, authenticator: Authenticator | Non
         str(trainer.push_dtype).removeprefix("torch."),
         config.policy_targets or "no policy server",
     )
-    await serve_until_signalled(running, on_ready=lambda port: announce_port("learner", port))
+    return running
 
 
 def main(config: str | None, overrides: list[str]) -> None:

@@ -559,6 +559,20 @@ class LearnerServicer:
 
     # ------------------------------------------------------------------ policy versions
 
+    async def retarget_policy(self, index: int, target: str) -> bool:
+        """Policy server `index` now listens at `target` (an engine restarted it elsewhere): push
+        there from now on, and reconcile at once so it gets the current weights. False when this
+        transport cannot move a target (its group is fixed at start)."""
+        retarget = getattr(self.pusher, "retarget", None)
+        if retarget is None:
+            return False
+        async with self._step_lock:
+            await retarget(index, target)
+            self.config.policy_targets[index] = target
+        log.warning("policy server %d moved to %s: reconciling its weights", index, target)
+        self._reconcile_now.set()
+        return True
+
     async def _reconcile_loop(self) -> None:
         """Bring every policy server that is behind up to the last pushed version, on a timer
         and whenever a group arrives stale."""

@@ -36,7 +36,7 @@ class GrpcWeightPusher:
     def __init__(self, targets: Sequence[str], timeout_s: float, access: ServerAccess | None = None) -> None:
         self.targets = list(targets)
         self.timeout_s = timeout_s
-        access = access or ServerAccess()
+        self._access = access = access or ServerAccess()
         self._clients = [PolicyClient(access.channel(target)) for target in self.targets]
 
     async def serving_versions(self) -> list[int]:
@@ -79,6 +79,12 @@ class GrpcWeightPusher:
             check_serving(self.targets[index], serving, list(tensors), digests)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(clients),
                           set_digest=set_digest(digests), hash_seconds=hashed)
+
+    async def retarget(self, index: int, target: str) -> None:
+        """Push to `target` from now on in place of policy server `index` (it moved)."""
+        old, self._clients[index] = self._clients[index], PolicyClient(self._access.channel(target))
+        self.targets[index] = target
+        await old.close()
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.close() for client in self._clients))

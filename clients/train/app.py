@@ -14,7 +14,7 @@ from rich.console import Console
 from clients.train.resume import choose_run_dir, trained_steps
 from clients.train.config import TrainConfig, check_envs, load_train_config
 from clients.train.display import Progress
-from clients.train.engine import Engine, LocalEngine, Servers
+from clients.train.engine import Engine, Servers, engine_for
 from clients.train.loop import run_rollouts_into_learner
 from clients.train.records import TrainOutcome
 from clients.train.summary import finish_outputs, print_summary, settle_with_learner
@@ -27,8 +27,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def train(config: TrainConfig, engine: Engine | None = None) -> TrainOutcome:
-    """Run a whole training job (see the package docstring) on `engine` (default: child processes
-    here) and return what it did."""
+    """Run a whole training job (see the package docstring) on `engine` (default: the one
+    `cluster.engine` names, child processes here unless it says ray) and return what it did."""
     run_dir = choose_run_dir(config.run.dir, config.run.name, config.run.resume)
     done, limit = trained_steps(run_dir), config.budget.max_steps
     if limit is not None and done >= limit:
@@ -37,7 +37,7 @@ def train(config: TrainConfig, engine: Engine | None = None) -> TrainOutcome:
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")
-    servers = (engine or LocalEngine()).start(config, run_dir)
+    servers = (engine or engine_for(config)).start(config, run_dir)
     outcome = TrainOutcome(run_dir=str(run_dir), stopped_by="aborted")
     progress = Progress(config.budget.max_steps, config.progress, config.display.stall_after_s,
                         config.budget.max_seconds)
@@ -71,12 +71,13 @@ async def _train_async(
     try:
         outcome = await run_rollouts_into_learner(
             config,
-            servers.targets("env")[0],
-            servers.targets("policy")[0],
+            servers.targets("env"),
+            servers.targets("policy"),
             servers.targets("learner")[0],
             run_dir,
             stop,
             display=progress,
+            servers=servers,
         )
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError):

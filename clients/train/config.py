@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from clients.agent import ResetOptions, Sampling
 from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
+from clients.train.cluster import ClusterSettings
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.server_config import LearnerServerConfig
@@ -186,6 +187,7 @@ class TrainConfig(BaseModel):
     learner: LearnerServerConfig = Field(default_factory=LearnerServerConfig)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     processes: ProcessSettings = Field(default_factory=ProcessSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     progress: bool = Field(True, description="Show a live progress line")
     display: DisplaySettings = Field(default_factory=lambda: DisplaySettings())
 

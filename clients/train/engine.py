@@ -6,7 +6,8 @@ learner first: on SIGTERM it finishes the step in flight and writes its final ch
 training loop, its ledger, display and resume are the same code whatever the engine.
 
 `LocalEngine` (the default) starts each server as a child process of this one
-(`clients.train.processes`).
+(`clients.train.processes`); `RayEngine` (`cluster.engine: ray`, `sciproto train --cluster ray`)
+starts each as a Ray actor (`clients.train.ray_engine`).
 """
 
 from __future__ import annotations
@@ -72,4 +73,13 @@ class LocalEngine:
         return LocalServers(start_servers(config, run_dir), config.processes.stop_timeout_s)
 
 
-__all__ = ["ROLES", "Engine", "LocalEngine", "LocalServers", "Role", "Servers"]
+def engine_for(config: TrainConfig) -> Engine:
+    """The engine `config.cluster.engine` names."""
+    if config.cluster.engine == "ray":
+        from clients.train.ray_engine import RayEngine
+
+        return RayEngine(config.cluster)
+    return LocalEngine()
+
+
+__all__ = ["ROLES", "Engine", "LocalEngine", "LocalServers", "Role", "Servers", "engine_for"]

@@ -18,13 +18,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
 
@@ -33,33 +34,44 @@ from clients.collect import collect, collect_step_tasks, fork_mode, split_size
 from clients.curriculum import read_curriculum
 from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
+from clients.train.engine import Role, Servers
 from clients.train.flow import Flow, GroupLedger
 from clients.train.resume import resume_point, trained_group_ids
 from clients.train.records import StepGroupTally, StepRecord, TrainOutcome, budget_spent, group_to_pb, with_epoch
 from clients.train.stream import LearnerStream
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.config import ConfigError
-from sciproto.errors import from_rpc_error
+from sciproto.errors import Unavailable, from_rpc_error
 from sciproto.pb import env_pb2, learner_pb2
 
 log = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 2.0  # how often the engine's servers are asked whether a role is gone for good
+
+
+def _target_of(servers: Servers, role: Role, index: int) -> str:
+    """Where replica `index` of `role` listens now (a ReplicaPool's `resolve`)."""
+    return servers.targets(role)[index]
+
 
 async def run_rollouts_into_learner(
     config: TrainConfig,
-    env_target: str,
-    policy_target: str,
+    env_target: str | Sequence[str],
+    policy_target: str | Sequence[str],
     learner_target: str,
     run_dir: Path,
     stop: asyncio.Event,
     on_step: Callable[[StepRecord, TrainOutcome], None] = lambda *_: None,
     display: Progress | None = None,
+    servers: Servers | None = None,
 ) -> TrainOutcome:
     """Stream rollout groups into the learner until the budget is spent or `stop` is set.
 
     Every group stays in a ledger (clients.train.flow) until the learner settles it; a broken
     TrainStep stream is opened again (for up to rollout.learner_reconnect_s) and every unsettled
-    group is sent again on it (clients.train.stream)."""
+    group is sent again on it (clients.train.stream). With the engine's `servers`, a replica that
+    comes back at a new address (a restarted actor) is found there, and a role gone for good stops
+    the run."""
     rollout = config.rollout
     env_name, split = rollout.split()
     flow = Flow(config.max_groups_ahead)
@@ -70,7 +82,13 @@ async def run_rollouts_into_learner(
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    async with env_pool([env_target]) as env, policy_pool([policy_target]) as policy:
+    env_targets = [env_target] if isinstance(env_target, str) else list(env_target)
+    policy_targets = [policy_target] if isinstance(policy_target, str) else list(policy_target)
+    moves: dict[str, dict[str, Any]] = {} if servers is None else {
+        role: {"resolve": functools.partial(_target_of, servers, role),
+               "wait_for_healthy_s": config.cluster.restart_wait_s} for role in ("env", "policy")}
+    async with (env_pool(env_targets, **moves.get("env", {})) as env,
+                policy_pool(policy_targets, **moves.get("policy", {})) as policy):
         # 1. Tasks.
         size = await split_size(env, env_name, split, rollout.deadlines.describe_s)
         if rollout.grouping == "step":
@@ -219,6 +237,13 @@ async def run_rollouts_into_learner(
                 display.tick(status)
                 await asyncio.sleep(1.0)
 
+        async def watch(servers: Servers) -> None:
+            """A role gone for good ends the run with the engine's one line."""
+            while True:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                if (line := await asyncio.to_thread(servers.failure)) is not None:
+                    raise Unavailable(line)
+
         async def deadline(seconds: float) -> None:
             await asyncio.sleep(seconds)
             outcome.stopped_by = outcome.stopped_by or "max_seconds"
@@ -237,6 +262,8 @@ async def run_rollouts_into_learner(
                 workers.append(asyncio.create_task(ticker(), name="display"))
             if config.budget.max_seconds is not None:
                 workers.append(asyncio.create_task(deadline(config.budget.max_seconds), name="deadline"))
+            if servers is not None:
+                workers.append(asyncio.create_task(watch(servers), name="servers"))
             stopper = asyncio.create_task(stop.wait())
             try:
                 done, _ = await asyncio.wait([*workers, stopper], return_when=asyncio.FIRST_COMPLETED)

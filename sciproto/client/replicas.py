@@ -9,7 +9,9 @@
 A replica marked down is probed in the background (grpc.health.v1 Check on a fresh connection,
 so the probe sees a restarted server at once instead of waiting out the main channel's reconnect
 backoff) with an interval that doubles up to `probe_max_interval_s`; when it answers SERVING it
-rejoins the rotation, on a new channel if its old one is still failing.
+rejoins the rotation, on a new channel if its old one is still failing. With `resolve`, each probe
+first asks where the replica listens now (a server that an engine restarted on another node or
+port, e.g. a Ray actor), and a replica that moved rejoins on a channel to its new address.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ReplicaPool(Generic[ClientT]):
         wait_for_healthy_s: float = 30.0,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         bare_streams: bool = False,
+        resolve: Callable[[int], str | None] | None = None,
     ) -> None:
         if not targets:
             raise ValueError(f"give at least one {service} address (HOST:PORT)")
@@ -74,6 +77,9 @@ class ReplicaPool(Generic[ClientT]):
         self._make_client = make_client
         self._interceptors = list(interceptors)
         self._bare_streams = bare_streams  # as for make_channel
+        # Where replica i (in `targets` order) listens now, or None when unknown; called from a
+        # worker thread (it may block briefly). None: replicas never move.
+        self._resolve = resolve
         self.replicas: list[Replica[ClientT]] = [self._connect(config) for config in configs]
         self.probe_interval_s = probe_interval_s
         self.probe_max_interval_s = probe_max_interval_s
@@ -144,12 +150,29 @@ class ReplicaPool(Generic[ClientT]):
         replica.probe = asyncio.create_task(self._probe_until_healthy(replica),
                                             name=f"probe {replica.target}")
 
+    async def _moved(self, replica: Replica[ClientT]) -> bool:
+        """Ask `resolve` where `replica` listens now; True when that is a new address."""
+        if self._resolve is None:
+            return False
+        try:
+            target = await asyncio.to_thread(self._resolve, self.replicas.index(replica))
+        except Exception as error:  # noqa: BLE001 - the probe goes on at the address it has
+            log.warning("%s replica %s: could not ask where it listens now: %s", self.service, replica.target, error)
+            return False
+        if not target or target == replica.target:
+            return False
+        log.warning("%s replica %s moved to %s", self.service, replica.target, target)
+        replica.config = replica.config.model_copy(update={"target": target})
+        return True
+
     async def _probe_until_healthy(self, replica: Replica[ClientT]) -> None:
         interval = self.probe_interval_s
+        moved = await self._moved(replica)
         while not await self._serving(replica.config):
             await asyncio.sleep(interval)
             interval = min(interval * 2, self.probe_max_interval_s)
-        if replica.channel.get_state() != grpc.ChannelConnectivity.READY:
+            moved = await self._moved(replica) or moved
+        if moved or replica.channel.get_state() != grpc.ChannelConnectivity.READY:
             # The old channel may sit in reconnect backoff for a long time: start afresh. Nothing
             # runs on it (calls on a failing channel fail at once), so closing it loses nothing.
             old = replica.channel

@@ -1,0 +1,56 @@
+"""The `cluster` section of a run's config: which engine starts the servers (`local`: child
+processes, the default; `ray`: Ray actors, `clients.train.ray_engine`), and on Ray how many
+replicas of each role run and what each asks the cluster for."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RoleResources(BaseModel):
+    """What each replica of one role asks the cluster for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="Servers of this role")
+    cpus: float = Field(1.0, ge=0, description="CPUs each replica reserves")
+    gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves (the policy's: one bundle per replica)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources each replica reserves (e.g. {trainer: 1})")
+    max_restarts: int = Field(3, ge=-1, description="Times Ray restarts a lost replica (-1: always)")
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one replica."""
+        wanted = {"CPU": self.cpus, "GPU": self.gpus, **self.resources}
+        return {name: amount for name, amount in wanted.items() if amount > 0}
+
+
+def _learner_default() -> RoleResources:
+    return RoleResources(max_restarts=0)
+
+
+class ClusterSettings(BaseModel):
+    """`cluster` of a run's config: which engine starts the servers, and on Ray where each role runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["local", "ray"] = Field(
+        "local", description="local: child processes of `sciproto train`; ray: Ray actors (`--cluster ray`)")
+    address: str | None = Field(
+        None, description="Ray cluster to join (`--ray-address`; else RAY_ADDRESS; else a local Ray for the run)")
+    object_store_mb: int = Field(256, ge=64, description="Object store of a local Ray started for the run")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray started for the run (default: all)")
+    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a server to report its address")
+    stop_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a server to stop")
+    restart_wait_s: float = Field(
+        180.0, gt=0, description="Longest the rollout client waits for a restarting replica while none of its role is up")
+    env: RoleResources = Field(default_factory=RoleResources)
+    policy: RoleResources = Field(default_factory=RoleResources)
+    policy_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How the policy placement group lays its bundles over nodes")
+    learner: RoleResources = Field(default_factory=_learner_default)
+
+
+__all__ = ["ClusterSettings", "RoleResources"]

@@ -1,0 +1,266 @@
+"""The Ray engine of `sciproto train --cluster ray`: each server is a Ray actor
+(`clients.train.ray_actor.ServerHost`), placed as the `cluster` section says
+(`clients.train.cluster`).
+
+Env servers spread over the nodes that have what they ask for; policy servers run in a placement
+group, one bundle (CPUs, GPUs, custom resources) per replica; the learner is one actor and is
+never restarted (a lost learner stops the run, and a rerun resumes from its last checkpoint). The
+rollout client runs in the driver, as with the local engine. An env or policy actor that Ray
+restarts comes back at a new address: `RayServers.targets` reports it (the rollout pools ask), and
+a moved policy server is handed to the learner, which reconciles its weights.
+
+    cluster:
+      env: {replicas: 2, cpus: 1}
+      policy: {replicas: 1, cpus: 1, gpus: 1}
+      learner: {cpus: 1, gpus: 1, resources: {trainer: 1}}
+
+Ray is imported only when a Ray run starts: `pip install 'sciproto[ray]'`. The learner writes its
+metrics and checkpoints to the run directory on its own node: on more than one machine that
+directory must be on a filesystem every node sees (or the learner pinned, with a custom resource,
+to the driver's node).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clients.train.cluster import ClusterSettings, RoleResources
+from clients.train.ray_actor import ServerHost, one_line
+from sciproto.config import ConfigError
+
+if TYPE_CHECKING:
+    from clients.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = ("env", "policy", "learner")
+STOP_ORDER = ("learner", "policy", "env")  # the learner checkpoints, then what it talks to
+RAY_EXTRA = "pip install 'sciproto[ray]'"
+
+
+def import_ray() -> Any:
+    """Ray, or a ConfigError saying what to install."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"--cluster ray needs Ray, which is not installed here: {RAY_EXTRA}") from None
+    return ray
+
+
+class RayServers:
+    """The servers of one run on Ray (`clients.train.engine.Servers`)."""
+
+    def __init__(self, ray: Any, settings: ClusterSettings, owns_ray: bool) -> None:
+        self._ray = ray
+        self.settings = settings
+        self.owns_ray = owns_ray  # this run started Ray and shuts it down
+        self.actors: dict[str, list[Any]] = {role: [] for role in ROLES}
+        self.placement_groups: list[Any] = []
+        self._targets: dict[str, list[str]] = {role: [] for role in ROLES}
+        self._dead: dict[str, str] = {}
+        self._learner_knows: dict[int, str] = {}  # policy server -> the address the learner pushes to
+        self._stopped = False
+
+    # what the engine interface asks
+
+    def targets(self, role: str, timeout_s: float = 2.0) -> list[str]:
+        """The current `host:port` of each replica of `role`: asked of the actors (within
+        `timeout_s`); a replica that is restarting keeps its last known address until it answers."""
+        actors = self.actors[role]
+        known = self._targets[role]
+        refs = [actor.address.remote() for actor in actors]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        for index, ref in enumerate(refs):
+            if ref not in done:
+                continue
+            try:
+                known[index] = self._ray.get(ref)
+            except self._ray.exceptions.RayActorError as error:
+                if _is_dead_for_good(self._ray, actors[index]):
+                    self._dead.setdefault(f"{role}[{index}]", one_line(error))
+        if role == "policy":
+            self._follow_policy(list(known))
+        return list(known)
+
+    def _follow_policy(self, targets: list[str]) -> None:
+        """Tell the learner of each policy server that moved (it pushes there from now on)."""
+        for index, target in enumerate(targets):
+            if self._learner_knows.get(index) in (None, target) or not self.actors["learner"]:
+                self._learner_knows.setdefault(index, target)
+                continue
+            log.warning("policy server %d moved to %s; telling the learner", index, target)
+            try:
+                self._ray.get(self.actors["learner"][0].retarget_policy.remote(index, target), timeout=60)
+            except self._ray.exceptions.RayError as error:
+                log.warning("could not tell the learner (asked again later): %s", one_line(error))
+                continue
+            self._learner_knows[index] = target
+
+    def node_ids(self, role: str, timeout_s: float = 30.0) -> list[str]:
+        """The Ray node id each replica of `role` runs on now; a replica that is restarting is
+        asked again until it answers (within `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._ray.get([actor.node_id.remote() for actor in self.actors[role]],
+                                     timeout=max(1.0, deadline - time.monotonic()))
+            except self._ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def failure(self) -> str | None:
+        """One line naming a role whose server is gone for good, else None. Also hands the learner
+        the new address of a policy server that moved (polled by the training loop)."""
+        self.targets("policy", timeout_s=0.5)
+        for role in ROLES:
+            for index, actor in enumerate(self.actors[role]):
+                name = f"{role}[{index}]"
+                if name not in self._dead and _is_dead_for_good(self._ray, actor):
+                    self._dead[name] = "its actor died and Ray will not restart it"
+        if not self._dead:
+            return None
+        name, why = next(iter(self._dead.items()))
+        return f"the {name} server on Ray is gone for good ({why}); a rerun resumes from the last checkpoint"
+
+    def stop(self) -> None:
+        """Learner first (it checkpoints), then policy, then env; each bounded; then the actors,
+        placement groups and (when this run started it) Ray itself go."""
+        if self._stopped:
+            return
+        self._stopped = True
+        ray = self._ray
+        try:
+            for role in STOP_ORDER:
+                refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in self.actors[role]]
+                if refs:
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.settings.stop_timeout_s + 5)
+                    for ref in ready:
+                        try:
+                            ray.get(ref)
+                        except ray.exceptions.RayError as error:
+                            log.warning("%s server stopped with an error: %s", role, one_line(error))
+                for actor in self.actors[role]:
+                    ray.kill(actor, no_restart=True)
+            for group in self.placement_groups:
+                ray.util.remove_placement_group(group)
+        finally:
+            if self.owns_ray:
+                ray.shutdown()
+
+
+def actor_state(actor: Any) -> dict[str, Any]:
+    """What the cluster's control store (GCS) holds of `actor`: "State" (ALIVE, RESTARTING, DEAD,
+    ...), "NumRestarts", "Address" (its node), "DeathCause". Read from the GCS directly (Ray's
+    developer API), so it needs no dashboard."""
+    from ray._private import state
+
+    return state.actors(actor_id=actor._actor_id.hex()) or {}
+
+
+def _is_dead_for_good(ray: Any, actor: Any) -> bool:
+    """Whether Ray reports `actor` DEAD (not RESTARTING): it will not come back."""
+    try:
+        return actor_state(actor).get("State") == "DEAD"
+    except Exception:  # noqa: BLE001 - the GCS is out of reach: a failed call will tell
+        return False
+
+
+def connect(ray: Any, settings: ClusterSettings) -> bool:
+    """Join the cluster at `settings.address` (or RAY_ADDRESS), else start a local Ray for this run
+    with a bounded object store. True when this run started Ray (and must shut it down)."""
+    import os
+
+    if ray.is_initialized():
+        return False
+    address = settings.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)  # each server logs to <run_dir>/<role>.log
+        return False
+    ray.init(num_cpus=settings.num_cpus, object_store_memory=settings.object_store_mb * 2**20,
+             include_dashboard=False, log_to_driver=False)
+    return True
+
+
+class RayEngine:
+    """Start a run's servers as Ray actors (`clients.train.engine.Engine`)."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+
+    def start(self, config: TrainConfig, run_dir: Path) -> RayServers:
+        """Env and policy actors side by side, then the learner once the policy addresses are known."""
+        ray = import_ray()
+        settings = self.settings
+        owns_ray = connect(ray, settings)
+        servers = RayServers(ray, settings, owns_ray)
+        run_dir = run_dir.resolve()
+        try:
+            self._start(ray, servers, config, run_dir)
+        except BaseException:
+            servers.stop()
+            raise
+        return servers
+
+    def _start(self, ray: Any, servers: RayServers, config: Any, run_dir: Path) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        settings = self.settings
+        host = ray.remote(ServerHost)
+        timeout_s = settings.start_timeout_s
+
+        def actor(role: str, index: int, resources: RoleResources, section: dict[str, Any], **options: Any) -> Any:
+            name = role if resources.replicas == 1 else f"{role}-{index}"
+            return host.options(
+                num_cpus=resources.cpus, num_gpus=resources.gpus, resources=resources.resources or None,
+                max_restarts=resources.max_restarts, max_concurrency=4, **options,
+            ).remote(role, section, str(run_dir / f"{name}.log"), timeout_s)
+
+        env_section = config.env.model_dump(mode="json")
+        servers.actors["env"] = [actor("env", i, settings.env, env_section, scheduling_strategy="SPREAD")
+                                 for i in range(settings.env.replicas)]
+        group = ray.util.placement_group([settings.policy.bundle()] * settings.policy.replicas,
+                                         strategy=settings.policy_strategy)
+        servers.placement_groups.append(group)
+        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+        if not ready:
+            raise ConfigError(
+                f"the cluster has no room for {settings.policy.replicas} policy bundle(s) of "
+                f"{settings.policy.bundle()} within {timeout_s:g} s (ray status shows what it has)")
+        policy_section = config.policy.model_dump(mode="json")
+        servers.actors["policy"] = [
+            actor("policy", i, settings.policy, policy_section,
+                  scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
+            for i in range(settings.policy.replicas)
+        ]
+        for role in ("env", "policy"):
+            servers._targets[role] = _addresses(ray, role, servers.actors[role], timeout_s)
+        learner = config.learner.model_copy(update={
+            "policy_targets": servers._targets["policy"], "run_dir": run_dir, "max_steps": config.budget.max_steps,
+        })
+        servers.actors["learner"] = [actor("learner", 0, settings.learner, learner.model_dump(mode="json"))]
+        servers._targets["learner"] = _addresses(ray, "learner", servers.actors["learner"], timeout_s)
+
+
+def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float) -> list[str]:
+    """Each actor's address once its server listens, or a one-line error."""
+    deadline = time.monotonic() + timeout_s
+    refs = [actor.address.remote() for actor in actors]
+    addresses = []
+    for index, ref in enumerate(refs):
+        try:
+            addresses.append(ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"the {role} server {index} on Ray did not start within {timeout_s:g} s "
+                              "(does the cluster have the CPUs/GPUs/resources it asks for? `ray status`)") from None
+        except ray.exceptions.RayActorError as error:
+            cause = getattr(error, "cause", None) or error
+            raise ConfigError(f"the {role} server {index} on Ray did not start: {one_line(cause)}") from None
+    return addresses
+
+
+__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "connect", "import_ray"]

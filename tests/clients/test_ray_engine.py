@@ -1,0 +1,253 @@
+"""The Ray engine on a real (simulated) Ray cluster: `ray.cluster_utils.Cluster` runs a head with no
+CPUs and three nodes, each a real raylet with its own resources (one declares a logical GPU), so
+every server is a real actor process on the node its role asked for. One cluster for the module,
+small object stores; every Ray process is gone when the module ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from sciproto.client.env import EnvClient  # noqa: E402
+from sciproto.client.policy import PolicyClient  # noqa: E402
+from clients.train.cluster import ClusterSettings, RoleResources  # noqa: E402
+from clients.train.ray_engine import RayEngine, actor_state  # noqa: E402
+from clients.train import load_train_config, train  # noqa: E402
+from sciproto import pb  # noqa: E402
+from sciproto.channel import make_channel  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+STORE = 80 * 2**20  # bytes of object store per node (Ray's floor is about 75 MiB)
+
+# Where each role may run: env servers on the rollout node(s), the policy on the GPU node, the
+# learner on the trainer node (custom resources pin them; the GPU is a logical one).
+PLACEMENT = ClusterSettings(
+    engine="ray",
+    env=RoleResources(cpus=1, resources={"rollout": 1}),
+    policy=RoleResources(cpus=1, gpus=1),
+    learner=RoleResources(cpus=1, resources={"trainer": 1}, max_restarts=0),
+    start_timeout_s=240,
+    stop_timeout_s=60,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Any, dict[str, Any]]]:
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # local nodes: 127.0.0.1 as node IP
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE})
+    try:
+        nodes = {
+            "rollout": cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE),
+            "gpu": cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=STORE),
+            "trainer": cluster.add_node(num_cpus=1, resources={"trainer": 1}, object_store_memory=STORE),
+        }
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def demo_config(tmp_path: Path, *overrides: str) -> Any:
+    return load_train_config("demo", [f"run.dir={tmp_path}", "progress=false", *overrides])
+
+
+async def serving(target: str, service: str) -> bool:
+    async with make_channel(target) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_each_role_runs_on_the_node_it_asked_for_and_serves_real_clients(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    _, nodes = cluster
+    config = demo_config(tmp_path)
+    servers = RayEngine(PLACEMENT).start(config, tmp_path / "run")
+    try:
+        placed = {role: servers.node_ids(role) for role in ("env", "policy", "learner")}
+        assert placed == {"env": [nodes["rollout"].node_id], "policy": [nodes["gpu"].node_id],
+                          "learner": [nodes["trainer"].node_id]}
+        targets = {role: servers.targets(role) for role in ("env", "policy", "learner")}
+        for role, (target,) in targets.items():
+            host, port = target.rsplit(":", 1)
+            assert host == ray.util.get_node_ip_address() and int(port) > 0, (role, target)
+            assert host != "localhost"
+        async with EnvClient(targets["env"][0]) as env:
+            reset = await env.reset("toy", split="train", index=0, timeout=30)
+            assert reset.episode_id and (await env.close(reset.episode_id)).closed
+        policy = PolicyClient(targets["policy"][0])
+        try:
+            assert (await policy.describe(timeout_s=30)).model
+        finally:
+            await policy.close()
+        assert await serving(targets["learner"][0], pb.LEARNER_SERVICE)
+        assert servers.failure() is None
+    finally:
+        servers.stop()
+    # Every server wrote its log into the run directory and was stopped gracefully (drained),
+    # not killed; the learner's metrics file is there too.
+    run_dir = tmp_path / "run"
+    for name in ("env", "policy", "learner"):
+        assert "draining in-flight calls" in (run_dir / f"{name}.log").read_text(), name
+    assert (run_dir / "metrics.jsonl").exists()
+    for role in ("env", "policy", "learner"):
+        for actor in servers.actors[role]:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.address.remote(), timeout=30)
+
+
+class PlacedEngine(RayEngine):
+    """The Ray engine, remembering where each role's servers started."""
+
+    def start(self, config: Any, run_dir: Path) -> Any:
+        self.servers = super().start(config, run_dir)
+        self.placed = {role: self.servers.node_ids(role) for role in ("env", "policy", "learner")}
+        return self.servers
+
+
+def test_the_demo_trains_to_its_target_with_each_server_on_its_node(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    _, nodes = cluster
+    config = demo_config(tmp_path).model_copy(update={"cluster": PLACEMENT})
+    engine = PlacedEngine(PLACEMENT)
+    outcome = train(config, engine=engine)
+    assert engine.placed == {"env": [nodes["rollout"].node_id], "policy": [nodes["gpu"].node_id],
+                             "learner": [nodes["trainer"].node_id]}
+    assert outcome.stopped_by == "target_reward", outcome.stopped_by
+    assert outcome.steps and outcome.checkpoint
+    # Every group in exactly one fate, and the summary agrees with the learner's metrics.
+    assert all(len(fates) == 1 for fates in outcome.group_fates.values())
+    metrics = [json.loads(line) for line in Path(outcome.metrics).read_text().splitlines() if line.strip()]
+    assert [int(m["step"]) for m in metrics] == [s.step for s in outcome.steps]
+    assert all(not actor_state(a) or actor_state(a).get("State") == "DEAD"
+               for role in ("env", "policy", "learner") for a in engine.servers.actors[role])
+
+
+def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: dict[str, Any],
+                      metrics: Path, seen: dict[str, Any], steps: int = 2) -> None:
+    """In a thread: once the run has `steps` steps, remove (kill) the node `role`'s server runs
+    on, and wait until it runs on the other node of `by_id`; what it saw goes into `seen`."""
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+            assert time.monotonic() < deadline, f"no step {steps} within 300 s"
+            time.sleep(0.2)
+        seen["before"] = engine.servers.targets(role)
+        (lost,) = engine.placed[role]
+        ray_cluster.remove_node(by_id[lost], allow_graceful=False)
+        seen["removed_after_step"] = len(metrics.read_text().splitlines())
+        seen["spare"] = next(node_id for node_id in by_id if node_id != lost)
+        deadline = time.monotonic() + 240
+        while (now := engine.servers.node_ids(role, timeout_s=240)) == [lost]:  # not yet declared dead
+            assert time.monotonic() < deadline, f"the {role} actor was not restarted within 240 s"
+            time.sleep(0.5)
+        seen["after_node"] = now
+        seen["after"] = engine.servers.targets(role, timeout_s=30)
+    except BaseException as error:  # noqa: BLE001 - asserted by the test
+        seen["error"] = error
+
+
+def assert_accounted(outcome: Any, run_dir: Path) -> None:
+    """Every group in exactly one fate, and the summary agrees with the learner's metrics."""
+    assert all(len(fates) == 1 for fates in outcome.group_fates.values())
+    metrics = [json.loads(line) for line in Path(outcome.metrics).read_text().splitlines() if line.strip()]
+    assert [int(m["step"]) for m in metrics] == [s.step for s in outcome.steps]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_settled"] == outcome.groups_settled
+    assert sum(outcome.groups_settled.values()) + outcome.groups_pending == len(outcome.group_fates)
+
+
+def test_the_policy_node_is_lost_mid_run_and_the_restarted_server_gets_the_learners_weights(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    """Adds a second GPU node and removes (kills) the one the policy server runs on: its actor
+    restarts in its placement group on the other, the learner is told its new address and
+    reconciles its weights, and training goes on to the target."""
+    ray_cluster, nodes = cluster
+    spare = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=STORE)
+    ray_cluster.wait_for_nodes()
+    by_id = {node.node_id: node for node in (nodes["gpu"], spare)}
+    config = demo_config(tmp_path, "learner.reconcile_interval_s=2").model_copy(update={"cluster": PLACEMENT})
+    engine = PlacedEngine(PLACEMENT)
+    seen: dict[str, Any] = {}
+    remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
+        ray_cluster, engine, "policy", by_id, tmp_path / "demo" / "metrics.jsonl", seen))
+    remover.start()
+    outcome = train(config, engine=engine)
+    remover.join(60)
+    assert "error" not in seen, seen.get("error")
+    assert seen["after_node"] == [seen["spare"]] and seen["after"] != seen["before"], seen
+    assert outcome.stopped_by == "target_reward", outcome.stopped_by
+    assert outcome.steps[-1].step > seen["removed_after_step"] + 1
+    learner_log = (tmp_path / "demo" / "learner.log").read_text()
+    assert f"policy server 0 moved to {seen['after'][0]}" in learner_log
+    assert "re-pushed version" in learner_log
+    # Steps after the move sampled from the restarted server at the learner's versions: the
+    # policy lag stays bounded by max_staleness (1), so it was not left serving version 0.
+    assert all(s.policy_lag_mean <= 1.0 for s in outcome.steps if s.step > seen["removed_after_step"] + 2)
+    assert_accounted(outcome, tmp_path / "demo")
+
+
+def test_the_env_node_is_lost_mid_run_and_its_server_comes_back_on_a_live_node(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    """Last in the module: it adds a second rollout node and removes (kills, not drains) the one
+    the env server runs on."""
+    ray_cluster, nodes = cluster
+    spare = ray_cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE)
+    ray_cluster.wait_for_nodes()
+    by_id = {node.node_id: node for node in (nodes["rollout"], spare)}
+    config = demo_config(tmp_path).model_copy(update={"cluster": PLACEMENT})
+    engine = PlacedEngine(PLACEMENT)
+    seen: dict[str, Any] = {}
+
+    def lose_the_env_node() -> None:
+        try:
+            metrics = tmp_path / "demo" / "metrics.jsonl"
+            deadline = time.monotonic() + 300
+            while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+                assert time.monotonic() < deadline, "no second step within 300 s"
+                time.sleep(0.2)
+            seen["before"] = engine.servers.targets("env")
+            (lost,) = engine.placed["env"]
+            ray_cluster.remove_node(by_id[lost], allow_graceful=False)
+            seen["removed_after_step"] = len(metrics.read_text().splitlines())
+            seen["spare"] = next(node_id for node_id in by_id if node_id != lost)
+            deadline = time.monotonic() + 240
+            while (now := engine.servers.node_ids("env", timeout_s=240)) == [lost]:  # not yet declared dead
+                assert time.monotonic() < deadline, "the env actor was not restarted within 240 s"
+                time.sleep(0.5)
+            seen["after_node"] = now
+            seen["after"] = engine.servers.targets("env", timeout_s=30)
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            seen["error"] = error
+
+    remover = threading.Thread(target=lose_the_env_node, daemon=True)
+    remover.start()
+    outcome = train(config, engine=engine)
+    remover.join(60)
+    assert "error" not in seen, seen.get("error")
+    assert seen["after_node"] == [seen["spare"]] and seen["after"] != seen["before"], seen
+    assert outcome.stopped_by == "target_reward", outcome.stopped_by
+    assert outcome.steps[-1].step > seen["removed_after_step"]
+    # Every group in exactly one fate, and the summary agrees with the learner's metrics.
+    assert all(len(fates) == 1 for fates in outcome.group_fates.values())
+    metrics = [json.loads(line) for line in Path(outcome.metrics).read_text().splitlines() if line.strip()]
+    assert [int(m["step"]) for m in metrics] == [s.step for s in outcome.steps]
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["groups_settled"] == outcome.groups_settled
+    assert sum(outcome.groups_settled.values()) + outcome.groups_pending == len(outcome.group_fates)
