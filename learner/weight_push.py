@@ -38,6 +38,7 @@ class GrpcWeightPusher:
         self.timeout_s = timeout_s
         self._access = access = access or ServerAccess()
         self._clients = [PolicyClient(access.channel(target)) for target in self.targets]
+        self._retired: list[PolicyClient] = []  # clients of policy servers that moved (retarget)
 
     async def serving_versions(self) -> list[int]:
         described = await asyncio.gather(
@@ -81,13 +82,15 @@ class GrpcWeightPusher:
                           set_digest=set_digest(digests), hash_seconds=hashed)
 
     async def retarget(self, index: int, target: str) -> None:
-        """Push to `target` from now on in place of policy server `index` (it moved)."""
-        old, self._clients[index] = self._clients[index], PolicyClient(self._access.channel(target))
+        """Push to `target` from now on in place of policy server `index` (it moved). The old
+        client is closed with the pusher, not now: closing its channel would cancel a call still
+        on it (a reconcile's Describe), and the CancelledError would end that loop."""
+        self._retired.append(self._clients[index])
+        self._clients[index] = PolicyClient(self._access.channel(target))
         self.targets[index] = target
-        await old.close()
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(client.close() for client in self._clients))
+        await asyncio.gather(*(client.close() for client in [*self._clients, *self._retired]))
 
 
 def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
