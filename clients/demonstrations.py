@@ -11,7 +11,7 @@ the end-of-turn token), so a model trained on them produces what the policy serv
 into the same tool calls.
 
 Only episodes the environment scores at the top (`--min-reward`, default 1.0) are kept. Each is
-one line of the rollout format (`clients.rollouts`): `loss_mask` is 1 on the assistant's tokens
+one line of the rollout format (`sciproto.client.rollouts`): `loss_mask` is 1 on the assistant's tokens
 and 0 on the prompt and the environment's turns, `logprobs` are 0 (nothing was sampled), and
 `policy_version` is empty. The file feeds `learner.sft` (a train config's `sft` phase).
 """
@@ -24,8 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from clients.env_client import EnvClient
-from clients.rollouts import (
+from policy_server import convert
+from policy_server.prompts import prompt_token_ids, render_chat
+from policy_server.types import GenerationRequest
+from sciproto.client.env import EnvClient
+from sciproto.client.rollouts import (
     MessageRecord,
     RolloutRecord,
     RolloutStatus,
@@ -35,10 +38,7 @@ from clients.rollouts import (
     read_rollouts,
     status_from_pb,
 )
-from policy_server import convert
-from policy_server.models import load_model
-from policy_server.prompts import prompt_token_ids, render_chat
-from policy_server.types import GenerationRequest
+from sciproto.models import load_model
 from sciproto.pb import common_pb2
 
 __all__ = ["DemonstrationSummary", "TurnRenderer", "collect_demonstrations", "demonstrate", "main"]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from clients.env_client import EnvClient
-from clients.rollouts import RolloutRecord, read_rollouts
-from policy_server.models.byte_tokenizer import build_byte_tokenizer
-from policy_server.models.smollm2 import load_smollm2_tokenizer
 from policy_server.toolcalls import parse_completion
+from sciproto.client.env import EnvClient
+from sciproto.client.rollouts import RolloutRecord, read_rollouts
+from sciproto.models.byte_tokenizer import build_byte_tokenizer
+from sciproto.models.smollm2 import load_smollm2_tokenizer
 from sciproto.pb import common_pb2, env_pb2
 from sciproto.processes import ServerProcess, sciproto_command
 

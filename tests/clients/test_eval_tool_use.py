@@ -4,7 +4,7 @@ policy server parsed it into tool_calls; a malformed block stays in the text) an
 from __future__ import annotations
 
 from clients.eval_report import analyse_pass
-from clients.rollouts import MessageRecord, RolloutRecord, RolloutStatus, ToolCallRecord
+from sciproto.client.rollouts import MessageRecord, RolloutRecord, RolloutStatus, ToolCallRecord
 
 
 def _record(index: int, replies: list[MessageRecord], reward: float) -> RolloutRecord:
