@@ -16,7 +16,7 @@ Output JSON: {"base" | "sft" | "grpo": {split: {"pass@1", "low", "high", "tool_c
 "tool_calls_mean", ...}}, "grpo_gain_beyond_intervals": {split: grpo.low > sft.high},
 "demonstrations": {...}, "train": {...}}.
 Usage: python bench/real_model_tools.py [--config gsm8k_tools_smollm2_cpu] [--limit 100] [--short-demos 200]
-       [--seconds S (budget.max_seconds)] [--output FILE] [--set key=value ...]
+       [--base-limit N] [--reuse-demos] [--seconds S (budget.max_seconds)] [--output FILE] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -136,9 +136,13 @@ async def main_async(args: argparse.Namespace) -> dict:
     try:
         assert sft_phase.demonstrations is not None and sft_phase.steps is not None
         sft_phase.demonstrations.parent.mkdir(parents=True, exist_ok=True)
-        demonstrations = await write_demonstrations(env.target, sft_phase.demonstrations, args.short_demos)
+        if args.reuse_demos and sft_phase.demonstrations.is_file():
+            tokens = [len(r.token_ids) for r in read_rollouts(sft_phase.demonstrations)]
+            demonstrations = {"kept": len(tokens), "tokens_mean": round(statistics.fmean(tokens), 1), "reused": True}
+        else:
+            demonstrations = await write_demonstrations(env.target, sft_phase.demonstrations, args.short_demos)
         print(f"[bench] demonstrations {demonstrations}", file=sys.stderr, flush=True)
-        base = await evaluate_base(env.target, config, args.limit, out)
+        base = await evaluate_base(env.target, config, args.base_limit or args.limit, out)
         run_dir = out / "run"
         await asyncio.to_thread(run_training, args.config, run_dir, overrides)
         trained = train_figures(run_dir)
@@ -150,7 +154,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     finally:
         await asyncio.to_thread(env.stop, 30)
     return {
-        "config": args.config, "eval": f"first {args.limit} tasks of {', '.join(SPLITS)}, greedy",
+        "config": args.config, "eval": f"first {args.limit} tasks of {', '.join(SPLITS)}, greedy (base: first"
+                                        f" {args.base_limit or args.limit})",
         "base": base, "sft": sft, "grpo": grpo,
         "sft_gain_beyond_intervals": {s: sft[s]["low"] > base[s]["high"] for s in base},
         "grpo_gain_beyond_intervals": {s: grpo[s]["low"] > sft[s]["high"] for s in sft} if grpo else None,
@@ -162,6 +167,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="gsm8k_tools_smollm2_cpu")
     parser.add_argument("--limit", type=int, default=100, help="Tasks evaluated per split (test has 60)")
+    parser.add_argument("--base-limit", type=int, default=None, help="Tasks per split for the base model (default:"
+                        " --limit); it writes no tool call and uses every turn, so it is the slowest to evaluate")
+    parser.add_argument("--reuse-demos", action="store_true", help="Keep the demonstrations file when it exists")
     parser.add_argument("--short-demos", type=int, default=200, help="Demonstrations from gsm8k:short_train")
     parser.add_argument("--seconds", type=float, default=None, help="Training budget (budget.max_seconds)")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
