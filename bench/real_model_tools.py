@@ -33,8 +33,8 @@ from pathlib import Path
 
 from clients.demonstrations import collect_demonstrations
 from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, serve_checkpoint
-from clients.rollouts import read_rollouts
 from clients.train import load_train_config
+from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import sciproto_command, start_server
 
 SPLITS = ("gsm8k:short_test", "gsm8k:test")
