@@ -142,22 +142,26 @@ async def main_async(args: argparse.Namespace) -> dict:
         else:
             demonstrations = await write_demonstrations(env.target, sft_phase.demonstrations, args.short_demos)
         print(f"[bench] demonstrations {demonstrations}", file=sys.stderr, flush=True)
-        base = await evaluate_base(env.target, config, args.base_limit or args.limit, out)
+        base_limit = args.limit if args.base_limit is None else args.base_limit
+        base = await evaluate_base(env.target, config, base_limit, out) if base_limit else None
         run_dir = out / "run"
         await asyncio.to_thread(run_training, args.config, run_dir, overrides)
         trained = train_figures(run_dir)
-        sft_checkpoint = run_dir / "checkpoints" / f"step_{sft_phase.steps:08d}"
-        sft = await evaluate_checkpoint(env.target, sft_checkpoint, config, args.limit, out, "sft")
+        # The checkpoint where the sft phase ended; a run stopped inside it has only its final one.
         final = Path(trained["checkpoint"])
+        sft_checkpoint = run_dir / "checkpoints" / f"step_{sft_phase.steps:08d}"
+        if not trained["grpo_steps"]:
+            sft_checkpoint = final
+        sft = await evaluate_checkpoint(env.target, sft_checkpoint, config, args.limit, out, "sft")
         grpo = (await evaluate_checkpoint(env.target, final, config, args.limit, out, "grpo")
-                if final != sft_checkpoint else None)
+                if trained["grpo_steps"] else None)
     finally:
         await asyncio.to_thread(env.stop, 30)
     return {
         "config": args.config, "eval": f"first {args.limit} tasks of {', '.join(SPLITS)}, greedy (base: first"
                                         f" {args.base_limit or args.limit})",
         "base": base, "sft": sft, "grpo": grpo,
-        "sft_gain_beyond_intervals": {s: sft[s]["low"] > base[s]["high"] for s in base},
+        "sft_gain_beyond_intervals": {s: sft[s]["low"] > base[s]["high"] for s in base} if base else None,
         "grpo_gain_beyond_intervals": {s: grpo[s]["low"] > sft[s]["high"] for s in sft} if grpo else None,
         "demonstrations": demonstrations, "train": trained, "bench_seconds": round(time.monotonic() - started, 1),
     }
@@ -168,7 +172,8 @@ def main() -> None:
     parser.add_argument("--config", default="gsm8k_tools_smollm2_cpu")
     parser.add_argument("--limit", type=int, default=100, help="Tasks evaluated per split (test has 60)")
     parser.add_argument("--base-limit", type=int, default=None, help="Tasks per split for the base model (default:"
-                        " --limit); it writes no tool call and uses every turn, so it is the slowest to evaluate")
+                        " --limit; 0: skip); it writes no tool call and uses every turn, so it is the slowest to"
+                        " evaluate")
     parser.add_argument("--reuse-demos", action="store_true", help="Keep the demonstrations file when it exists")
     parser.add_argument("--short-demos", type=int, default=200, help="Demonstrations from gsm8k:short_train")
     parser.add_argument("--seconds", type=float, default=None, help="Training budget (budget.max_seconds)")
