@@ -295,6 +295,9 @@ def print_report(report: EvalReport, output: Path | None, console: Console | Non
         ("completion tokens mean / p90 / max", [f"{p.completion_tokens.mean:.0f} / {p.completion_tokens.p90:.0f} /"
                                                 f" {p.completion_tokens.max:.0f}" for p in passes]),
         ("turns mean / max", [f"{p.turns.mean:.2f} / {p.turns.max:.0f}" for p in passes]),
+        ("replies with a well-formed tool call", ["-" if p.tool_call_reply_frac is None
+                                                  else f"{p.tool_call_reply_frac:.3f}" for p in passes]),
+        ("tool calls per episode mean / max", [f"{p.tool_calls.mean:.2f} / {p.tool_calls.max:.0f}" for p in passes]),
         ("completion tokens/s", [f"{p.completion_tokens_per_s:.1f}" for p in passes]),
         ("wall s", [f"{p.wall_s:.1f}" for p in passes]),
     ]

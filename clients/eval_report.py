@@ -135,6 +135,12 @@ class PassReport(BaseModel):
     wall_s: float
     completion_tokens_per_s: float = Field(description="Completion tokens of the pass over its wall time")
     reward_analysis: RewardAnalysis | None = Field(None, description="Only with K >= 2 samples")
+    tool_call_reply_frac: float | None = Field(
+        None, description="Share of the policy's replies holding a well-formed tool call (one the policy server"
+                          " parsed; a malformed block stays in the reply's text); None when no reply")
+    tool_calls: Distribution = Field(default_factory=lambda: Distribution.of([]),
+                                     description="Well-formed tool calls per rollout")
+    tool_calls_by_name: dict[str, int] = Field(default_factory=dict, description="Tool calls of the pass, by tool")
     per_task: list[TaskOutcome]
 
 
@@ -185,8 +191,22 @@ def analyse_pass(name: str, records: Iterable[RolloutRecord], *, temperature: fl
         wall_s=round(wall_s, 3),
         completion_tokens_per_s=round(completion / wall_s, 3) if wall_s > 0 else 0.0,
         reward_analysis=reward_analysis(per_task, samples) if samples >= 2 else None,
+        **tool_use(judged),
         per_task=per_task,
     )
+
+
+def tool_use(records: Sequence[RolloutRecord]) -> dict[str, object]:
+    """How the policy called tools: the share of its replies with a well-formed call, calls per
+    rollout, calls by tool name."""
+    replies = [m for r in records for m in r.messages if m.role == "assistant"]
+    names = Counter(call.name for m in replies for call in m.tool_calls)
+    return {
+        "tool_call_reply_frac": round(sum(bool(m.tool_calls) for m in replies) / len(replies), 4) if replies else None,
+        "tool_calls": Distribution.of([sum(len(m.tool_calls) for m in r.messages if m.role == "assistant")
+                                       for r in records]),
+        "tool_calls_by_name": dict(sorted(names.items())),
+    }
 
 
 def reward_analysis(per_task: Sequence[TaskOutcome], samples: int) -> RewardAnalysis:
@@ -213,4 +233,4 @@ def curriculum_of(report: PassReport, env: str, split: str, *, min_pass_rate: fl
 
 
 __all__ = ["EndReason", "Estimate", "PassReport", "RewardAnalysis", "TaskOutcome", "analyse_pass",
-           "curriculum_of", "end_reason", "wilson_interval"]
+           "curriculum_of", "end_reason", "tool_use", "wilson_interval"]

@@ -4,6 +4,8 @@ Staleness of a group = current_version - (oldest policy version among its traine
 A group more than `max_staleness` versions behind is dropped when taken (K = 0: only groups
 sampled entirely by the current policy train, i.e. synchronous on-policy GRPO).
 A full buffer makes `add` wait (backpressure on the producers) up to its timeout.
+SFT groups (demonstrations) have no staleness and no signal check; a batch holds groups of one
+objective, so a batch taken where SFT groups give way to GRPO ones may be short.
 The ids of groups dropped as stale wait in `dropped_stale_ids` until the learner names them in a
 step result (`drain_dropped`); a failed step's groups go back to the front (`put_back`).
 """
@@ -16,7 +18,7 @@ from collections import deque
 from pydantic import BaseModel
 
 from learner.grpo import group_has_signal
-from learner.types import RewardStatus, RolloutGroup
+from learner.types import Objective, RewardStatus, RolloutGroup
 
 
 class BufferCounters(BaseModel):
@@ -61,7 +63,8 @@ class RolloutBuffer:
         self.counters.infra_errors += sum(
             s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples
         )
-        if group.oldest_version is None or not group_has_signal(group):
+        sft = group.objective is Objective.SFT  # demonstrations: no signal to check, never stale
+        if not sft and (group.oldest_version is None or not group_has_signal(group)):
             self.counters.dropped_all_equal += 1
             return False
         async with self._changed:
@@ -88,8 +91,11 @@ class RolloutBuffer:
             if self._groups and len(taken) < n_groups:
                 self._changed.notify_all()  # slots are freed below: wake waiting producers
             while self._groups and len(taken) < n_groups:
+                if taken and self._groups[0].objective is not taken[0].objective:
+                    return True  # one objective per batch: the next one starts the next batch
                 group = self._groups.popleft()
-                if current_version - group.oldest_version > self.max_staleness:
+                oldest = group.oldest_version
+                if oldest is not None and current_version - oldest > self.max_staleness:
                     self.counters.dropped_stale += 1
                     self.dropped_stale_ids.append(group.group_id)
                 else:
@@ -123,6 +129,7 @@ class RolloutBuffer:
         lags = [
             current_version - v
             for g in groups
+            if g.objective is Objective.GRPO
             for s in g.samples
             if s.reward_status is RewardStatus.SCORED
             for v, m in zip(s.policy_versions, s.loss_mask)

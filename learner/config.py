@@ -15,6 +15,9 @@ class GRPOConfig(BaseModel):
     # 3e-3 takes a tiny random byte-level model from ~0.05 to >0.9 mean reward on the
     # "digits only" toy task in ~25 steps of 16 groups x 8 samples; pretrained LLMs want ~1e-6.
     lr: float = Field(default=3e-3, gt=0)
+    # Learning rate of the steps on SFT groups (learner/sft.py; None: lr). Demonstrations of a
+    # pretrained model want ~1e-5 where its GRPO steps want ~1e-6.
+    sft_lr: float | None = Field(default=None, gt=0)
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     adam_betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas")
     # PPO-style asymmetric clip ("clip higher"): rho is clipped to [1 - eps_low, 1 + eps_high].

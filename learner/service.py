@@ -12,6 +12,9 @@ process or trained before the checkpoint we resumed from, so retries never count
 "invalid" (the group cannot be read; the receipt's message says why), "stale" (already more than
 max_staleness versions behind on arrival), "no_signal" (fewer than two scored samples or all
 rewards equal: GRPO would learn nothing), "busy" (no buffer slot freed within add_timeout_s).
+A group with objective SFT (demonstrations, learner/sft.py) is never "stale" nor "no_signal"; it is
+"invalid" when no sample has a trainable token, or when a sample's first token is trained (it has
+no prompt to extend).
 
 Accounting: every accepted group belongs to the stream that last sent it. A step result goes to
 every open stream, but names to each only its own groups: the ids the step consumed and the ids
@@ -63,7 +66,7 @@ from learner.metrics import MetricsLogger
 from learner.push_types import Serving, ServingDigestMismatch
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepMetrics
-from learner.types import FinishReason, RewardStatus, RolloutGroup, TrainSample
+from learner.types import FinishReason, Objective, RewardStatus, RolloutGroup, TrainSample
 from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
@@ -94,8 +97,9 @@ class InvalidGroup(ValueError):
     """A RolloutGroup message that cannot be trained on; the message says what to fix."""
 
 
-def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int) -> TrainSample:
-    """A proto Rollout as a TrainSample: version spans become one version per trained token."""
+def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int, *, sft: bool = False) -> TrainSample:
+    """A proto Rollout as a TrainSample: version spans become one version per trained token
+    (a demonstration, `sft`, needs none: its uncovered trained tokens count as version 0)."""
     n = len(rollout.token_ids)
     if n and max(rollout.token_ids) >= vocab_size:
         raise InvalidGroup(
@@ -111,7 +115,10 @@ def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int) -> TrainSample
             )
         versions[span.start : span.end] = [span.policy_version] * (span.end - span.start)
     uncovered = [i for i, m in enumerate(rollout.loss_mask) if m == 1 and i < n and versions[i] < 0]
-    if uncovered:
+    if sft:
+        for i in uncovered:
+            versions[i] = 0
+    elif uncovered:
         raise InvalidGroup(
             f"sample {rollout.sample_index}: trained token {uncovered[0]} lies in no "
             "version span; every token with loss_mask 1 needs the version that sampled it"
@@ -165,8 +172,24 @@ def group_from_pb(group: learner_pb2.RolloutGroup, vocab_size: int) -> RolloutGr
         raise InvalidGroup("group_id is empty; every group needs a unique id")
     if not group.rollouts:
         raise InvalidGroup(f"group {group.group_id} has no rollouts")
-    samples = [sample_from_pb(rollout, vocab_size) for rollout in group.rollouts]
-    return RolloutGroup(group_id=group.group_id, task=group.task_id or group.env, samples=samples)
+    objective = _OBJECTIVE_FROM_PB.get(group.objective)
+    if objective is None:
+        raise InvalidGroup(f"group {group.group_id}: objective {group.objective} is not a known TrainObjective;"
+                           " use TRAIN_OBJECTIVE_GRPO or TRAIN_OBJECTIVE_SFT")
+    sft = objective is Objective.SFT
+    samples = [sample_from_pb(rollout, vocab_size, sft=sft) for rollout in group.rollouts]
+    if sft and not any(s.num_trained_tokens and s.reward_status is not RewardStatus.INFRA_ERROR for s in samples):
+        raise InvalidGroup(f"sft group {group.group_id} has no trainable token: every sample is INFRA_ERROR"
+                           " or has loss_mask all 0; mark the demonstration's assistant tokens with loss_mask 1")
+    return RolloutGroup(group_id=group.group_id, task=group.task_id or group.env, samples=samples,
+                        objective=objective)
+
+
+_OBJECTIVE_FROM_PB = {
+    learner_pb2.TRAIN_OBJECTIVE_UNSPECIFIED: Objective.GRPO,
+    learner_pb2.TRAIN_OBJECTIVE_GRPO: Objective.GRPO,
+    learner_pb2.TRAIN_OBJECTIVE_SFT: Objective.SFT,
+}
 
 
 class LearnerState(BaseModel):

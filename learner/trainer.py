@@ -24,8 +24,9 @@ from learner.grpo import (
     split_mini_batches,
 )
 from learner.precision import autocast, fsdp_policy, prepare_model
-from learner.prefix import sequence_logprobs_and_entropy, usable_shared_prefix
-from learner.types import RolloutGroup
+from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix
+from learner.sft import SFT_STAT_NAMES, sft_loss, sft_sequences
+from learner.types import Objective, RolloutGroup
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
 
@@ -38,6 +39,11 @@ class StepMetrics(BaseModel):
     policy_version: int
     # False when no group carried signal: no optimizer step, no new policy version.
     trained: bool
+    # What the batch trained: "grpo", or "sft" (learner/sft.py: then sft_loss and
+    # sft_token_accuracy are set, `loss` is sft_loss, and the GRPO statistics stay 0).
+    objective: str = "grpo"
+    sft_loss: float | None = None
+    sft_token_accuracy: float | None = None
     loss: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0
@@ -194,6 +200,10 @@ class GRPOTrainer:
         All or nothing: a batch that raises part-way leaves the weights, the AdamW state, `step`
         and `policy_version` as they were before it (`_Snapshot` says why).
         """
+        if groups and all(g.objective is Objective.SFT for g in groups):
+            return self.sft_step(groups)
+        if any(g.objective is Objective.SFT for g in groups):
+            raise ValueError("a batch mixes sft and grpo groups; the buffer hands out one objective per batch")
         config = self.config
         plan = prepare_batch(groups, config)
         base = {
@@ -263,6 +273,61 @@ class GRPOTrainer:
             micro_batches=sum(len(micro) for micro in micro_batches),
             **base,
         )
+
+    def sft_step(self, groups: list[RolloutGroup]) -> StepMetrics:
+        """One optimizer step of token-mean cross-entropy on the SFT groups' trained tokens
+        (learner/sft.py), at `sft_lr` (default `lr`); one new policy version.
+
+            L = -(1/N) sum_i sum_t m_t log p_theta(y_t | y_<t)
+            theta <- AdamW(theta, clip_norm(grad L, max_grad_norm))
+
+        All or nothing as `train_step`: with one step, a failure before `optimizer.step()` leaves
+        the weights and the AdamW state untouched."""
+        config = self.config
+        sequences = sft_sequences(groups)
+        tokens = int(sum(int(s.loss_mask.sum()) for s in sequences))
+        base = {"objective": Objective.SFT.value, "groups": len(groups), "sequences": len(sequences),
+                "tokens": tokens}
+        if tokens == 0:
+            return StepMetrics(step=self.step, policy_version=self.policy_version, trained=False, **base)
+        local = sequences[self.context.rank :: self.context.world_size]
+        packed = split_micro_batches(local, config.micro_batch_tokens) if local else []
+        count = int(all_reduce(torch.tensor(len(packed)), dist.ReduceOp.MAX))
+        packed += [[self._empty_sequence()]] * (count - len(packed))
+        sums = torch.zeros(len(SFT_STAT_NAMES), dtype=torch.float64)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            for sequences_of_micro in packed:
+                batch = pad_right(sequences_of_micro, self.pad_token_id).to(self.device)
+                with self.compute():
+                    logits = _logits_of(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask))
+                loss, stats = sft_loss(logits, batch.input_ids, batch.loss_mask, tokens)
+                (loss * self.context.world_size).backward()  # FSDP2 averages over ranks: make it the sum
+                sums += torch.stack([stats[name].double().cpu() for name in SFT_STAT_NAMES])
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            all_reduce(sums, dist.ReduceOp.SUM)
+            lr = config.sft_lr or config.lr
+            saved = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            try:
+                self.optimizer.step()
+            finally:
+                for group, value in zip(self.optimizer.param_groups, saved):
+                    group["lr"] = value
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.step += 1
+        self.policy_version += 1
+        totals = dict(zip(SFT_STAT_NAMES, sums.tolist()))
+        mean_nll = totals["nll"] / totals["tokens"]
+        return StepMetrics(
+            step=self.step, policy_version=self.policy_version, trained=True, loss=mean_nll,
+            sft_loss=mean_nll, sft_token_accuracy=totals["correct"] / totals["tokens"],
+            grad_norm=float(grad_norm), optimizer_steps=1, micro_batches=len(packed), **base)
 
     def _optimizer_steps(
         self,

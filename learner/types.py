@@ -95,16 +95,28 @@ class TrainSample(BaseModel):
         return min(versions) if versions else None
 
 
+class Objective(str, Enum):
+    """What a group trains (TrainObjective)."""
+
+    GRPO = "grpo"
+    SFT = "sft"  # demonstrations: cross-entropy on the trained tokens (learner/sft.py)
+
+
 class RolloutGroup(BaseModel):
-    """The n samples of one prompt: the unit GRPO normalises advantages over."""
+    """The n samples of one prompt: the unit GRPO normalises advantages over; with objective SFT,
+    demonstrations trained by cross-entropy (no advantage, no staleness)."""
 
     group_id: str
     task: str
     samples: list[TrainSample] = Field(min_length=1)
+    objective: Objective = Objective.GRPO
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest policy version among the tokens that will be trained (SCORED samples)."""
+        """The oldest policy version among the tokens that will be trained (SCORED samples);
+        None for an SFT group, which no policy version sampled."""
+        if self.objective is Objective.SFT:
+            return None
         versions = [
             v
             for s in self.samples

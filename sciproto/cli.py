@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import itertools
+import json
 import logging
 import os
 import sys
@@ -301,6 +302,31 @@ def collect(
         concurrency=concurrency, config=config,
         overrides=list(set_ or []) + ([f"rollouts={rollouts}"] if rollouts else []),
     )
+
+
+@app.command()
+def demonstrate(
+    env: Annotated[str, typer.Option("--env", help="Env server HOST:PORT")],
+    tasks: Annotated[str, typer.Option(help="ENV:SPLIT, e.g. gsm8k:short_train")],
+    output: Annotated[Path, typer.Option(help="JSONL file of demonstrations (appended; resumable)")],
+    model: Annotated[str, typer.Option(help="Model whose chat template and tokens the demonstrations use")] = "smollm2",
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split")] = None,
+    min_reward: Annotated[float, typer.Option(help="Keep episodes the environment scores at least this")] = 1.0,
+    max_tokens: Annotated[int | None, typer.Option(help="Drop demonstrations longer than this many tokens")] = None,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 8,
+    verbose: bool = False,
+) -> None:
+    """Play each task's reference solution through the env server and keep the episodes it scores
+    at the top, as rollouts with the model's own tokens (training demonstrations for an sft phase)."""
+    _setup_logging(verbose)
+    try:
+        summary = importlib.import_module("clients.demonstrations").main(
+            env=env, model=model, tasks=tasks, output=output, limit=limit, min_reward=min_reward,
+            concurrency=concurrency, max_tokens=max_tokens)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(summary.as_dict()))
 
 
 @app.command("eval")

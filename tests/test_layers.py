@@ -31,6 +31,7 @@ SERVERS = ("env_servers", "policy_server", "learner", "gateway")
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # The command line dispatches to every component; it imports each only when its sub-command runs.
     ("sciproto.cli", "clients.collect"): "command line",
+    ("sciproto.cli", "clients.demonstrations"): "command line",
     ("sciproto.cli", "clients.eval"): "command line",
     ("sciproto.cli", "clients.train"): "command line",
     ("sciproto.cli", "clients.viewer"): "command line",

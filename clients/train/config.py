@@ -13,6 +13,7 @@ from clients.agent import ResetOptions, Sampling
 from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
 from clients.train.cluster import ClusterSettings
+from clients.train.phases import Phase, check_phases
 from env_servers.catalog import check_name
 from env_servers.config import EnvServerConfig
 from learner.server_config import LearnerServerConfig
@@ -190,6 +191,9 @@ class TrainConfig(BaseModel):
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     progress: bool = Field(True, description="Show a live progress line")
     display: DisplaySettings = Field(default_factory=lambda: DisplaySettings())
+    phases: list[Phase] = Field(
+        default_factory=list,
+        description="sft phases on demonstrations, then grpo (clients.train.phases); empty: grpo only")
 
     @model_validator(mode="after")
     def _learner_trains_the_served_model(self) -> TrainConfig:
@@ -219,7 +223,13 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
             )
+        check_phases(self.phases)
         return self
+
+    @property
+    def runs_grpo(self) -> bool:
+        """Whether rollouts train after the sft phases (no phases, or a grpo phase)."""
+        return not self.phases or self.phases[-1].objective == "grpo"
 
     @property
     def max_groups_ahead(self) -> int:

@@ -43,6 +43,9 @@ class RunStatus:
     # rollout.grouping step: forks opened and closed so far (None: trajectory groups).
     forks_opened: int | None = None
     forks_closed: int = 0
+    # Phases (clients.train.phases): "sft" while demonstrations train, with the last step's loss.
+    phase: str = ""
+    sft_loss: float | None = None
 
     def tokens_per_s(self, now: float) -> float:
         return self.completion_tokens / max(now - self.started, 1e-9)
@@ -99,6 +102,10 @@ class Progress:
             "rollouts": status.rollouts_finished,
             "tok_s": f"{status.tokens_per_s(now):.0f}",
         }
+        if status.phase:
+            postfix["phase"] = status.phase
+        if status.sft_loss is not None:
+            postfix["sft_loss"] = f"{status.sft_loss:.3f}"
         if status.step:
             postfix |= {
                 "reward": f"{status.reward_mean:.3f}",

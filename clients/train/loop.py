@@ -36,8 +36,16 @@ from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
 from clients.train.engine import Role, Servers
 from clients.train.flow import Flow, GroupLedger
+from clients.train.phases import sft_groups
+from clients.train.records import (
+    StepGroupTally,
+    StepRecord,
+    TrainOutcome,
+    budget_spent,
+    group_to_pb,
+    with_epoch,
+)
 from clients.train.resume import resume_point, trained_group_ids
-from clients.train.records import StepGroupTally, StepRecord, TrainOutcome, budget_spent, group_to_pb, with_epoch
 from clients.train.stream import LearnerStream
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.config import ConfigError
@@ -133,7 +141,28 @@ async def run_rollouts_into_learner(
             status.completion_tokens = outcome.completion_tokens
             learner.send(learner_pb2.TrainStepRequest(group=group_to_pb(group_id, records)))
 
+        async def produce_demonstrations() -> None:
+            """The sft phases: every demonstration group not trained before, then a wait until the
+            learner has settled them all (clients.train.phases)."""
+            pending = sft_groups(config.phases, config.learner.batch_groups, trained_group_ids(run_dir))
+            status.phase = "sft"
+            for group in pending:
+                await flow.admit()
+                learner.send(learner_pb2.TrainStepRequest(group=group_to_pb(
+                    group.group_id, [group.record], learner_pb2.TRAIN_OBJECTIVE_SFT)))
+                flow.group_finished()
+                outcome.demonstrations_sent += 1
+            async with flow.changed:
+                await flow.changed.wait_for(lambda: not any(g.group_id in ledger.unsettled for g in pending))
+            status.phase = "grpo"
+
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            if config.phases:
+                await produce_demonstrations()
+                if not config.runs_grpo:
+                    outcome.stopped_by = outcome.stopped_by or "phases"
+                    stop.set()
+                    return
             if rollout.grouping == "step":
                 await produce_step_groups(rollouts_file, failures_file)
                 return
@@ -194,10 +223,14 @@ async def run_rollouts_into_learner(
                 result = event.step
                 await flow.consume(ledger.on_step(result))
                 now = time.monotonic()
+                sft = "sft_loss" in result.metrics
                 record = StepRecord(
                     step=result.step,
                     policy_version=result.policy_version,
-                    reward_mean=result.metrics.get("reward_mean", math.nan),
+                    reward_mean=math.nan if sft else result.metrics.get("reward_mean", math.nan),
+                    objective="sft" if sft else "grpo",
+                    sft_loss=result.metrics.get("sft_loss"),
+                    sft_token_accuracy=result.metrics.get("sft_token_accuracy"),
                     policy_lag_mean=result.metrics.get("policy_lag_mean", 0.0),
                     groups=result.groups,
                     seconds=now - started,
@@ -206,6 +239,7 @@ async def run_rollouts_into_learner(
                 )
                 status.step, status.policy_version = record.step, record.policy_version
                 status.reward_mean, status.policy_lag_mean = record.reward_mean, record.policy_lag_mean
+                status.sft_loss = record.sft_loss if sft else status.sft_loss
                 status.last_step_at = now
                 if status.first_step_s is None:
                     status.first_step_s = now - started

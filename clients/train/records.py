@@ -47,7 +47,8 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
     )
 
 
-def group_to_pb(group_id: str, records: Sequence[RolloutRecord]) -> learner_pb2.RolloutGroup:
+def group_to_pb(group_id: str, records: Sequence[RolloutRecord],
+                objective: int = learner_pb2.TRAIN_OBJECTIVE_GRPO) -> learner_pb2.RolloutGroup:
     """The learner's message for one group; rollouts without tokens (failed before the policy
     spoke) carry nothing to train and are left out."""
     first = records[0]
@@ -56,6 +57,7 @@ def group_to_pb(group_id: str, records: Sequence[RolloutRecord]) -> learner_pb2.
         env=first.env,
         task_id=f"{first.split}/{first.index}",
         rollouts=[rollout_to_pb(r) for r in records if r.token_ids],
+        objective=objective,
     )
 
 
@@ -80,6 +82,10 @@ class StepRecord(BaseModel):
     # rollout.grouping step: forks opened and closed by the rollout client up to this step.
     forks_opened: int | None = None
     forks_closed: int | None = None
+    # What the step trained: "grpo", or "sft" (a phase on demonstrations: reward_mean is nan).
+    objective: str = "grpo"
+    sft_loss: float | None = None
+    sft_token_accuracy: float | None = None
 
 
 class TrainOutcome(BaseModel):
@@ -89,6 +95,7 @@ class TrainOutcome(BaseModel):
     steps: list[StepRecord] = []
     seconds: float = 0.0
     groups_generated: int = 0
+    demonstrations_sent: int = 0  # sft phases: demonstration groups sent to the learner
     groups_refused: dict[str, int] = {}
     # What became of the groups generated (see clients.train.flow): fate -> groups, and the
     # groups still unsettled when the run stopped (generated, not yet consumed or dropped).

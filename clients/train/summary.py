@@ -36,10 +36,14 @@ def settle_with_learner(outcome: TrainOutcome, run_dir: Path, resumed_at: int) -
     for line in kept.metrics:
         step = int(line["step"])
         if step > resumed_at and step not in heard:  # finished after the stream ended
+            sft = line.get("objective") == "sft"
             heard[step] = StepRecord(
                 step=step,
                 policy_version=int(line.get("policy_version", step)),
-                reward_mean=float(line.get("reward_mean", math.nan)),
+                reward_mean=math.nan if sft else float(line.get("reward_mean", math.nan)),
+                objective="sft" if sft else "grpo",
+                sft_loss=line.get("sft_loss"),
+                sft_token_accuracy=line.get("sft_token_accuracy"),
                 policy_lag_mean=float(line.get("policy_lag_mean", 0.0)),
                 groups=int(line.get("groups", 0)),
                 seconds=outcome.seconds,
@@ -76,7 +80,8 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
     table = Table(title=f"sciproto train: {outcome.run_dir}")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    steps = outcome.steps
+    steps = [s for s in outcome.steps if s.objective == "grpo"]
+    sft = [s for s in outcome.steps if s.objective == "sft" and s.sft_loss is not None]
     # One step's batch reward is noisy (a few groups, different tasks): means of up to 5 steps.
     span = max(1, min(5, len(steps) // 2))
     first = f"{statistics.fmean(s.reward_mean for s in steps[:span]):.3f}" if steps else "-"
@@ -88,7 +93,9 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         f"{fates.get('consumed', 0)} / {fates.get('dropped_stale', 0)} / {outcome.groups_pending}"
     )
     rows = [
-        ("optimizer steps", str(steps[-1].step if steps else 0)),
+        ("optimizer steps", str(outcome.steps[-1].step if outcome.steps else 0)),
+        *([("sft steps: loss first -> last / token accuracy", (f"{len(sft)}: {sft[0].sft_loss:.3f} ->"
+            f" {sft[-1].sft_loss:.3f} / {sft[-1].sft_token_accuracy or 0:.3f}"))] if sft else []),
         (f"reward, first -> last {span} step{'s' if span > 1 else ''}", f"{first} -> {last}"),
         ("time", f"{outcome.seconds / 60:.1f} min"),
         ("groups generated / refused", f"{outcome.groups_generated} / {refused}"),

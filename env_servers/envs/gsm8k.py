@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
-from aviary.core import Environment, Message, Messages, Tool
+from aviary.core import Environment, Message, Messages, Tool, ToolCall, ToolRequestMessage
 from aviary.envs.gsm8k import CalculatorEnv, CalculatorEnvConfig
 from aviary.envs.gsm8k.env import SafeMathEvaluator
 from pydantic import BaseModel, ConfigDict, Field
@@ -177,6 +177,20 @@ class BoundedCalculatorEnv(CalculatorEnv):
     calculator.__doc__ = CalculatorEnv.calculator.__doc__  # the tool's description and arguments
 
 
+# GSM8K's calculator annotations in a worked solution: "<<48/4=12>>" (expression = result).
+_ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]*)>>")
+
+
+def annotated_expressions(solution: str) -> list[str]:
+    """The expressions of a GSM8K solution's `<<expression=result>>` annotations, in order."""
+    return [match.group(1).strip() for match in _ANNOTATION.finditer(solution)]
+
+
+def calculation(expression: str) -> ToolRequestMessage:
+    """An assistant action calling the calculator on `expression`."""
+    return ToolRequestMessage(tool_calls=[ToolCall.from_name("calculator", expr=expression)])
+
+
 # A number as a reply writes it: "-12", "1,250", "7.5" (the comma groups thousands).
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -291,11 +305,14 @@ class GSM8kSource(EnvironmentSource):
         return {"question": self._rows[split][index]["question"]}
 
     def reference_actions(self, split: str, index: int) -> list[Message]:
-        """The dataset's answer (after "#### "): submitted, or in a text split the reply itself."""
-        answer = self._rows[split][index]["answer"].split("#### ")[-1].strip()
+        """The dataset's worked solution as actions: one calculator call per `<<expression=result>>`
+        annotation of its answer, in order, then the answer (after "#### ") submitted; in a text
+        split the reply is the answer itself (no tool is offered there)."""
+        solution = self._rows[split][index]["answer"]
+        answer = solution.split("#### ")[-1].strip()
         if split in TEXT_ANSWER_SPLITS:
             return [Message(role="assistant", content=answer)]
-        return [submission(answer)]
+        return [*(calculation(expression) for expression in annotated_expressions(solution)), submission(answer)]
 
     async def rescore(
         self, split: str, index: int, messages: Sequence[Message]

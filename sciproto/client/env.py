@@ -272,6 +272,14 @@ class EnvClient:
             self._check_episode(episode_id)
         return (await self._on_stream(env_pb2.SessionRequest(verify=request), request.request_id, timeout)).verify
 
+    async def reference(self, env: str, *, split: str, index: int,
+                        timeout: float | None = None) -> list[common_pb2.ChatMessage]:
+        """The reference actions of a dataset task (the environment's own solution), to Step in
+        order after Reset; UNIMPLEMENTED when the environment has none."""
+        request = env_pb2.ReferenceRequest(request_id=new_request_id(), env=env, trace_context=current_trace_context(),
+                                           task_ref=env_pb2.TaskRef(split=split, index=index))
+        return list((await self._call(self._stub.Reference, request, timeout)).actions)
+
     async def fork(self, episode_id: str, *, request_id: str | None = None,
                    timeout: float | None = None) -> env_pb2.ForkResponse:
         """A new episode copied from `episode_id` at its current step; close it like any episode.

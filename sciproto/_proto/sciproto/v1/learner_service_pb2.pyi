@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.rpc import status_pb2 as _status_pb2
 from sciproto._proto.sciproto.v1 import common_pb2 as _common_pb2
 from sciproto._proto.sciproto.v1 import policy_service_pb2 as _policy_service_pb2
@@ -22,6 +23,46 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _TrainObjective:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TrainObjectiveEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TrainObjective.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRAIN_OBJECTIVE_UNSPECIFIED: _TrainObjective.ValueType  # 0
+    """GRPO, as before this field existed."""
+    TRAIN_OBJECTIVE_GRPO: _TrainObjective.ValueType  # 1
+    """GRPO: group-normalised advantages and the clipped, importance-corrected
+    token loss; a group needs at least two scored samples with different
+    rewards ("no_signal" otherwise).
+    """
+    TRAIN_OBJECTIVE_SFT: _TrainObjective.ValueType  # 2
+    """Supervised fine-tuning on demonstrations: token-mean cross-entropy of
+    the tokens with loss_mask 1 of every sample not INFRA_ERROR, whatever its
+    reward; version spans and rollout_logprobs are not needed. Refused as
+    "invalid" when no sample has a trained token or a sample's first token is
+    trained (it has no prompt to extend). Never "stale" nor "no_signal".
+    """
+
+class TrainObjective(_TrainObjective, metaclass=_TrainObjectiveEnumTypeWrapper):
+    """How a group's samples are trained (added after protocol 1.2)."""
+
+TRAIN_OBJECTIVE_UNSPECIFIED: TrainObjective.ValueType  # 0
+"""GRPO, as before this field existed."""
+TRAIN_OBJECTIVE_GRPO: TrainObjective.ValueType  # 1
+"""GRPO: group-normalised advantages and the clipped, importance-corrected
+token loss; a group needs at least two scored samples with different
+rewards ("no_signal" otherwise).
+"""
+TRAIN_OBJECTIVE_SFT: TrainObjective.ValueType  # 2
+"""Supervised fine-tuning on demonstrations: token-mean cross-entropy of
+the tokens with loss_mask 1 of every sample not INFRA_ERROR, whatever its
+reward; version spans and rollout_logprobs are not needed. Refused as
+"invalid" when no sample has a trained token or a sample's first token is
+trained (it has no prompt to extend). Never "stale" nor "no_signal".
+"""
+Global___TrainObjective: _TypeAlias = TrainObjective  # noqa: Y015
 
 @_typing.final
 class LearnerServiceDescribeRequest(_message.Message):
@@ -236,12 +277,15 @@ class RolloutGroup(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
     ROLLOUTS_FIELD_NUMBER: _builtins.int
+    OBJECTIVE_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """Unique id; a group_id seen before is refused, so retries never count twice."""
     env: _builtins.str
     """Environment name."""
     task_id: _builtins.str
     """Task identity, e.g. "train/17"."""
+    objective: Global___TrainObjective.ValueType
+    """What the group trains (added after protocol 1.2; unset: GRPO)."""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Rollout]:
         """The samples."""
@@ -253,10 +297,11 @@ class RolloutGroup(_message.Message):
         env: _builtins.str = ...,
         task_id: _builtins.str = ...,
         rollouts: _abc.Iterable[Global___Rollout] | None = ...,
+        objective: Global___TrainObjective.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "group_id", b"group_id", "rollouts", b"rollouts", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "group_id", b"group_id", "objective", b"objective", "rollouts", b"rollouts", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
