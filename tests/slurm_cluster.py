@@ -30,7 +30,7 @@ def slurm_missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -49,6 +49,17 @@ class SlurmCluster:
         """`sbatch --wait ARGS`: returns when the job ends (its exit status is sbatch's)."""
         return subprocess.run(["sbatch", "--wait", *args], cwd=cwd, env=self.env, capture_output=True,
                               text=True, timeout=timeout_s, check=False)
+
+
+def _kill_leftovers(conf: Path) -> None:
+    """SIGKILL every process still running with this cluster's SLURM_CONF (job steps, slurmstepd)."""
+    marker = f"SLURM_CONF={conf}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -70,8 +81,8 @@ def slurm_cluster(root: Path, start_timeout_s: float = 60.0) -> Iterator[SlurmCl
         "AuthType=auth/munge",
         f"AuthInfo=socket={socket_path}",
         "CredType=cred/munge",
-        f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={root / 'spool'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -122,6 +133,7 @@ def slurm_cluster(root: Path, start_timeout_s: float = 60.0) -> Iterator[SlurmCl
                     os.kill(pid, 0)
                     time.sleep(0.1)
                 os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(conf)
 
 
-__all__ = ["SlurmCluster", "slurm_cluster", "slurm_missing"]
+__all__ = ["SlurmCluster", "free_port", "slurm_cluster", "slurm_missing"]
