@@ -15,6 +15,10 @@ from typing import Any
 
 import pytest
 
+# Local nodes on loopback: Ray takes 127.0.0.1 as the node IP (set before Ray is imported, which
+# reads it then). Never for a real cluster.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -47,7 +51,6 @@ PLACEMENT = ClusterSettings(
 def cluster() -> Iterator[tuple[Any, dict[str, Any]]]:
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # local nodes: 127.0.0.1 as node IP
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE})
     try:
         nodes = {
