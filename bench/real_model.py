@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, serve_checkpoint
+from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, serve_checkpoint
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
 
@@ -38,13 +38,6 @@ def held_out_tasks(train_tasks: str) -> str:
     if not train_tasks.endswith("train"):
         raise SystemExit(f"rollout.tasks {train_tasks!r} does not end in 'train': pass --eval-tasks ENV:SPLIT")
     return train_tasks.removesuffix("train") + "test"
-
-
-def eval_config(train_config_name: str, overrides: list[str]) -> EvalConfig:
-    train = load_train_config(train_config_name, overrides)
-    return EvalConfig(max_steps=train.rollout.max_steps, max_tokens=train.rollout.max_tokens,
-                      sampling=train.rollout.sampling.model_copy(update={"seed": 0}), progress=False,
-                      checkpoint=CheckpointServing(model=train.policy.model, dtype=train.policy.dtype))
 
 
 def summary_of(report: EvalReport) -> dict:
@@ -111,7 +104,7 @@ def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, see
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    config = eval_config(args.config, args.overrides)
+    config = eval_config_for_run(args.config, args.overrides)
     tasks = args.eval_tasks or held_out_tasks(load_train_config(args.config, args.overrides).rollout.tasks)
     out_dir = args.runs_dir
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,19 +32,12 @@ import time
 from pathlib import Path
 
 from clients.demonstrations import collect_demonstrations
-from clients.eval import CheckpointServing, EvalConfig, EvalReport, evaluate, serve_checkpoint
+from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, serve_checkpoint
 from clients.train import load_train_config
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import sciproto_command, start_server
 
 SPLITS = ("gsm8k:short_test", "gsm8k:test")
-
-
-def eval_config(config: str, overrides: list[str]) -> EvalConfig:
-    train = load_train_config(config, overrides)
-    return EvalConfig(max_steps=train.rollout.max_steps, max_tokens=train.rollout.max_tokens,
-                      sampling=train.rollout.sampling.model_copy(update={"seed": 0}), progress=False,
-                      checkpoint=CheckpointServing(model=train.policy.model, dtype=train.policy.dtype))
 
 
 def figures(report: EvalReport) -> dict:
@@ -127,7 +120,7 @@ def train_figures(run_dir: Path) -> dict:
 async def main_async(args: argparse.Namespace) -> dict:
     overrides = list(args.overrides) + ([f"budget.max_seconds={args.seconds}"] if args.seconds else [])
     train = load_train_config(args.config, overrides)
-    config = eval_config(args.config, overrides)
+    config = eval_config_for_run(args.config, overrides)
     sft_phase = next(p for p in train.phases if p.objective == "sft")
     out = args.runs_dir / (args.run_name or f"tools-{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)

@@ -361,5 +361,16 @@ def main(*, env: list[str], policy: list[str], checkpoint: Path | None, tasks: s
     return report
 
 
-__all__ = ["CheckpointServing", "EvalConfig", "EvalError", "EvalReport", "evaluate", "main", "run_eval",
-           "serve_checkpoint"]
+def eval_config_for_run(config: str, overrides: list[str]) -> EvalConfig:
+    """How a training config's checkpoints are evaluated: its episode limits and sampling (seed 0),
+    served as its policy is (model, dtype)."""
+    from clients.train import load_train_config
+
+    train = load_train_config(config, overrides)
+    return EvalConfig(max_steps=train.rollout.max_steps, max_tokens=train.rollout.max_tokens,
+                      sampling=train.rollout.sampling.model_copy(update={"seed": 0}), progress=False,
+                      checkpoint=CheckpointServing(model=train.policy.model, dtype=train.policy.dtype))
+
+
+__all__ = ["CheckpointServing", "EvalConfig", "EvalError", "EvalReport", "eval_config_for_run", "evaluate", "main",
+           "run_eval", "serve_checkpoint"]
