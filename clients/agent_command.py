@@ -22,7 +22,8 @@ from typing import Any
 from gateway.chat import Choice
 from gateway.local import LocalGateway
 from sciproto.client.env import EnvClient
-from sciproto.client.rollouts import MessageRecord, read_rollouts
+from policy_server.convert import tool_spec
+from sciproto.client.rollouts import MessageRecord
 from sciproto.pb import common_pb2, env_pb2
 
 __all__ = ["collect_agent", "main"]
@@ -39,11 +40,6 @@ def _openai_message(message: common_pb2.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _openai_tool(tool: common_pb2.ToolSpec) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                             "parameters": json.loads(tool.parameters_json_schema or "{}")}}
-
-
 def _reply(choice: Choice) -> common_pb2.ChatMessage:
     return common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=choice.content, tool_calls=[
         common_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
@@ -58,12 +54,13 @@ async def collect_agent(*, env_target: str, policy_target: str, env: str, split:
                                                                                rollouts_file=out) as gateway:
         assert gateway.gateway is not None
         store = gateway.gateway.store
+        records = []  # this run's only: `out` is appended to and may hold earlier runs'
         for index in tasks:
             reset = await envs.reset(env, split=split, index=index)
             await envs.close(reset.episode_id)
             task = json.dumps({"env": env, "split": split, "index": index,
                                "messages": [_openai_message(m) for m in reset.observations],
-                               "tools": [_openai_tool(t) for t in reset.tools]})
+                               "tools": [tool_spec(t, i) for i, t in enumerate(reset.tools)]})
 
             async def run(base_url: str, task: str = task, index: int = index) -> float:
                 process = await asyncio.create_subprocess_exec(
@@ -91,8 +88,7 @@ async def collect_agent(*, env_target: str, policy_target: str, env: str, split:
                     raise RuntimeError(f"Verify failed: {reward.detail}")
                 return reward.value
 
-            await gateway.run_group(run, f"{env}/{split}/{index}", group_size)
-    records = list(read_rollouts(out))
+            records += (await gateway.run_group(run, f"{env}/{split}/{index}", group_size)).rollouts
     scored = [r.reward for r in records if r.status == "SCORED"]
     return {"records": len(records), "scored": len(scored), "infra_errors": sum(r.status == "INFRA_ERROR"
                                                                                   for r in records),

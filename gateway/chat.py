@@ -191,6 +191,14 @@ def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | 
     return float(value)
 
 
+def _top_p(body: dict[str, Any]) -> float | None:
+    """top_p in (0, 1]: 0 keeps no token (the policy server refuses it, in its own words)."""
+    value = _number(body, "top_p", 0, 1)
+    if value == 0:
+        raise _fail("top_p must be in (0, 1], got 0; leave it unset for no nucleus sampling", "top_p")
+    return value
+
+
 def _integer(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -247,7 +255,7 @@ def parse_chat_request(body: Any, max_context_tokens: int) -> ChatCall:
         model=model, messages=[m for m, _ in parsed], normal_messages=[n for _, n in parsed],
         tools=[t for t, _ in tools], normal_tools=[n for _, n in tools],
         n=_integer(body, "n", 1, MAX_N) or 1, temperature=_number(body, "temperature", 0, 2),
-        top_p=_number(body, "top_p", 0, 1), max_tokens=max_tokens or 0, stop=stops,
+        top_p=_top_p(body), max_tokens=max_tokens or 0, stop=stops,
         seed=None if seed is None else seed % (1 << 64), logprobs=logprobs, stream=bool(body.get("stream")),
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
 

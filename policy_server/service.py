@@ -46,6 +46,7 @@ from sciproto.weights.wire import (
     check_header,
     check_provenance,
     parse_request,
+    refused,
 )
 from sciproto.errors import (
     DeadlineExceeded,
@@ -191,9 +192,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         # before the swap: a corrupted update never serves
         digest.finish()
         try:
-            await asyncio.to_thread(digest.verify, tensors)  # hashlib lets Generate go on meanwhile
+            await asyncio.to_thread(digest.verify, tensors)  # hashed in a thread: Generate goes on meanwhile
         except DigestMismatch as error:
-            raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS, metadata={"tensor": error.tensor}) from error
+            raise refused(error) from error
         running_before = set(self._active)
         start = time.perf_counter()
         await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
@@ -230,7 +231,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         try:
             return await update
         except DigestMismatch as error:
-            raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS, metadata={"tensor": error.tensor}) from error
+            raise refused(error) from error
         except ValueError as error:
             raise InvalidArgument(f"{error}", Reason.INVALID_WEIGHTS) from error
         except (TimeoutError, RuntimeError) as error:

@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 if TYPE_CHECKING:
     from sciproto.server import RunningServer
 
@@ -18,7 +20,13 @@ log = logging.getLogger(__name__)
 
 
 def one_line(error: BaseException) -> str:
-    """`error` as one line: its type and the first line of its message."""
+    """`error` as one line: its type and the first line of its message; for a config that does not
+    validate, the first field at fault and what its check says (the first line of pydantic's
+    message only counts the errors)."""
+    if isinstance(error, ValidationError) and error.errors():
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or error.title
+        return f"{where}: {first['msg']}"
     text = str(getattr(error, "headline", None) or error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from clients.train.cluster import ClusterSettings, RoleResources
 from clients.train.ray_actor import ServerHost, one_line
 from sciproto.config import ConfigError
@@ -170,6 +172,22 @@ def _is_dead_for_good(ray: Any, actor: Any) -> bool:
         return False
 
 
+def check_servers_may_listen(config: Any, node_ip: str) -> None:
+    """Refuse, before any actor starts, servers that would refuse to listen on the nodes' address:
+    plaintext on an address other machines reach needs TLS or an explicit opt-in."""
+    from sciproto.server import ServerConfig
+
+    for role in ("env", "policy", "learner"):
+        server = getattr(config, role).server
+        try:
+            ServerConfig.model_validate({**server.model_dump(), "host": node_ip, "port": 0})
+        except ValidationError:
+            raise ConfigError(
+                f"the {role} server would serve plaintext on {node_ip}, which other machines can reach: set"
+                f" {role}.server.tls (cert and key), or, on a trusted network only, --set"
+                f" {role}.server.allow_insecure_remote=true (for each of env, policy and learner)") from None
+
+
 def connect(ray: Any, settings: ClusterSettings) -> bool:
     """Join the cluster at `settings.address` (or RAY_ADDRESS), else start a local Ray for this run
     with a bounded object store. True when this run started Ray (and must shut it down)."""
@@ -209,6 +227,7 @@ class RayEngine:
     def _start(self, ray: Any, servers: RayServers, config: Any, run_dir: Path) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        check_servers_may_listen(config, ray.util.get_node_ip_address())
         settings = self.settings
         host = ray.remote(ServerHost)
         timeout_s = settings.start_timeout_s
@@ -263,4 +282,4 @@ def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float) -> list
     return addresses
 
 
-__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "connect", "import_ray"]
+__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_servers_may_listen", "connect", "import_ray"]

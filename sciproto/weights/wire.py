@@ -288,6 +288,11 @@ def verify_tensor_digests(expected: Sequence[tuple[str, bytes]], received: Mappi
                                  "the update was refused and the old weights keep serving", name)
 
 
+def refused(error: DigestMismatch) -> InvalidArgument:
+    """The status a receiver answers a DigestMismatch with: INVALID_WEIGHTS naming the tensor."""
+    return _bad_weights(str(error), error.tensor)
+
+
 def _bad_weights(message: str, tensor: str) -> InvalidArgument:
     return InvalidArgument(message, Reason.INVALID_WEIGHTS, metadata={"tensor": tensor} if tensor else None)
 

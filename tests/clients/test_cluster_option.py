@@ -28,3 +28,30 @@ def test_an_unknown_cluster_is_refused(tmp_path: Path) -> None:
     result = run(tmp_path, "--cluster", "slurm")
     assert result.returncode == 2
     assert "--cluster 'slurm': use local or ray" in result.stderr, result.stderr
+
+
+def test_plaintext_servers_on_a_reachable_node_address_are_refused_before_any_actor_starts() -> None:
+    import pytest
+
+    from clients.train import load_train_config
+    from clients.train.ray_engine import check_servers_may_listen
+    from sciproto.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        check_servers_may_listen(load_train_config("demo"), "192.0.2.2")
+    assert "--set env.server.allow_insecure_remote=true" in str(refused.value)
+    check_servers_may_listen(load_train_config("demo"), "127.0.0.1")  # loopback: plaintext is fine
+    opted_in = [f"{role}.server.allow_insecure_remote=true" for role in ("env", "policy", "learner")]
+    check_servers_may_listen(load_train_config("demo", opted_in), "192.0.2.2")
+
+
+def test_an_actor_that_could_not_start_reports_what_its_config_check_says() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from clients.train.ray_actor import one_line
+    from sciproto.server import ServerConfig
+
+    with pytest.raises(ValidationError) as caught:
+        ServerConfig(host="192.0.2.2")
+    assert "refusing to serve plaintext on '192.0.2.2'" in one_line(caught.value)

@@ -40,5 +40,16 @@ def test_an_external_agent_collects_graded_groups(tiny_policy: ServerProcess, tm
         assert failing.returncode == 1 and "no run was scored" in failing.stderr
         [failed] = read_rollouts(tmp_path / "failed.jsonl")
         assert failed.status == "INFRA_ERROR" and "no model today" in failed.error
+
+        # The same failing agent appending to `out`, which holds the 4 scored records above: the
+        # summary and exit status are this run's, not the file's.
+        again = subprocess.run(sciproto_command(
+            "agent-collect", "--env", env.target, "--policy", tiny_policy.target, "--task-env", "toy",
+            "--tasks", "1", "--group-size", "1", "--out", str(out),
+            "--command", f"{sys.executable} -c \"raise SystemExit('no model today')\""),
+            capture_output=True, text=True, timeout=600, check=False)
+        assert again.returncode == 1 and "no run was scored" in again.stderr
+        assert json.loads(again.stdout.strip().splitlines()[-1])["records"] == 1
+        assert len(list(read_rollouts(out))) == 5
     finally:
         env.stop()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from sciproto.processes import ServerProcess
 
@@ -92,6 +92,12 @@ def test_unsupported_sampling_options_are_refused_not_ignored(client: openai.Ope
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="my-agent-model", messages=QUESTION, logprobs=True, top_logprobs=5)
     assert caught.value.param == "top_logprobs"
+
+
+def test_top_p_zero_is_refused_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="my-agent-model", messages=QUESTION, top_p=0)
+    assert caught.value.param == "top_p" and "(0, 1]" in caught.value.message
 
 
 def test_a_body_that_is_not_json_gets_an_error_object(gateway: ServerProcess) -> None:

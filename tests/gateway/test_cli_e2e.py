@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from sciproto.processes import ServerProcess, sciproto_command
 

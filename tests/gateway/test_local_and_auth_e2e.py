@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from gateway.local import LocalGateway
 from sciproto.client.rollouts import RolloutStatus

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import ServerProcess

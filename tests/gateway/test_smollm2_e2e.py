@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from sciproto.processes import ServerProcess, start_server
 

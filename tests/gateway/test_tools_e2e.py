@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import serve_gateway
+from tests.gateway.conftest import serve_gateway
 
 from sciproto.client.policy import PolicyClient
 from sciproto.models import load_model

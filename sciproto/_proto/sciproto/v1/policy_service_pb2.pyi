@@ -578,7 +578,8 @@ class TensorSpec(_message.Message):
     """XXH3-128 (16 bytes, xxhash's canonical big-endian form) of this tensor's bytes as
     they travel: little-endian, in `dtype`, row-major (added after 1.2). In a
     WeightsHeader: set on every tensor or on none; a server checks each tensor it
-    received (gRPC chunks and collective transfers alike) before it swaps, and refuses
+    received (gRPC chunks and gloo transfers alike; not NCCL transfers to vLLM on a
+    GPU, which load each tensor as it arrives) before it swaps, and refuses
     a mismatch with INVALID_ARGUMENT (reason INVALID_WEIGHTS, metadata "tensor" = this
     name), the old weights serving on. XXH3 because it is fast (on the reference CPU 7
     times SHA-256 and 20 times BLAKE2b on a 135M-parameter model's tensors, where
