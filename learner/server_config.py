@@ -52,7 +52,17 @@ class FaultInjection(BaseModel):
             ),
         )
     )
-    hold_step: int = Field(1, ge=1, description="The optimizer step `hold_at` applies to")
+    hold_step: int = Field(
+        1, ge=1, description="The optimizer step `hold_at` and `micro_batch_delay_s` apply to"
+    )
+    micro_batch_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Wait this long before each micro-batch of step `hold_step`, as a slow model would: a "
+            "step that outlasts `stop_step_wait_s`, which a stop then interrupts"
+        ),
+    )
     hold_s: float | None = Field(
         None,
         gt=0,
@@ -147,6 +157,16 @@ class LearnerServerConfig(BaseModel):
         0,
         ge=0,
         description="Save a checkpoint every this many steps (0: only on request and at shutdown)",
+    )
+    stop_step_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description=(
+            "On SIGTERM, how long the step in flight may run on before it is interrupted at its "
+            "next micro-batch (its groups stay untrained; the final checkpoint is of the step "
+            "before). `sciproto train` sets half of processes.stop_timeout_s, leaving the other "
+            "half for the checkpoint"
+        ),
     )
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     policy_access: ServerAccess = Field(

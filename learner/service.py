@@ -65,7 +65,7 @@ from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, 
 from learner.metrics import MetricsLogger
 from learner.push_types import Serving, ServingDigestMismatch
 from learner.server_config import LearnerServerConfig
-from learner.trainer import GRPOTrainer, StepMetrics
+from learner.trainer import GRPOTrainer, StepInterrupted, StepMetrics
 from learner.types import FinishReason, Objective, RewardStatus, RolloutGroup, TrainSample
 from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
@@ -336,7 +336,8 @@ class LearnerServicer:
         return state
 
     async def aclose(self, timeout_s: float = 600.0) -> None:
-        """Finish the step in progress, stop the loop, save a final checkpoint.
+        """Finish the step in progress (past `stop_step_wait_s`, interrupt it: nothing of it is
+        kept), stop the loop, save a final checkpoint.
 
         The loop takes no batch once closing starts: it could not be relied on to stop by
         cancellation alone, since a cancel that lands as `buffer.take` returns a batch is lost
@@ -345,12 +346,23 @@ class LearnerServicer:
         final checkpoint."""
         self._closing = True
         try:
-            await asyncio.wait_for(self._step_lock.acquire(), timeout_s)
+            await asyncio.wait_for(self._step_lock.acquire(), self.config.stop_step_wait_s)
         except TimeoutError:
-            log.error(
-                "the step in progress did not finish within %.0f s; no final checkpoint", timeout_s
+            # A step longer than the stop allows: end it at its next micro-batch, all or nothing,
+            # so the final checkpoint (of the step before) is still written.
+            log.warning(
+                "the step in flight ran %.0f s into the stop (learner.stop_step_wait_s): "
+                "interrupting it; its groups stay untrained",
+                self.config.stop_step_wait_s,
             )
-            return
+            self.trainer.interrupt.set()
+            try:
+                await asyncio.wait_for(self._step_lock.acquire(), timeout_s)
+            except TimeoutError:
+                log.error(
+                    "the step in progress did not end within %.0f s; no final checkpoint", timeout_s
+                )
+                return
         try:
             for task in (self._loop_task, self._reconcile_task):
                 if task is not None:
@@ -394,6 +406,10 @@ class LearnerServicer:
                 async with self._step_lock:
                     self._step_running = True
                     await self._step(groups, wait_s)
+            except StepInterrupted as error:  # the learner is stopping: nothing was trained
+                log.warning("%s by the stop; its %d groups go back to the buffer", error, len(groups))
+                self.buffer.put_back(groups)
+                return
             except Exception as error:  # the loop goes on
                 log.exception("optimizer step failed")
                 if self._step_settled:  # trained and reported: only what followed failed
@@ -419,6 +435,12 @@ class LearnerServicer:
                 f"injected failure of optimizer step attempt {self._step_attempts} "
                 "(learner.faults.fail_step_attempts)"
             )
+        faults = config.faults
+        slow = faults.micro_batch_delay_s if self.trainer.step + 1 == faults.hold_step else 0.0
+        if slow:
+            log.warning("slowing step %d: %.0f s before each micro-batch (learner.faults."
+                        "micro_batch_delay_s)", self.trainer.step + 1, slow)
+        self.trainer.micro_batch_delay_s = slow
         train_started = time.monotonic()
         metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
         train_s = time.monotonic() - train_started

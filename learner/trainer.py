@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,11 @@ def _reward_stats(rewards: list[float]) -> dict[str, float]:
     }
 
 
+class StepInterrupted(Exception):
+    """`interrupt` was set while a step ran: the step stopped between micro-batches and left the
+    weights, the AdamW state, `step` and `policy_version` as they were before it."""
+
+
 class GRPOTrainer:
     """Owns the model, the AdamW optimizer and the policy version.
 
@@ -169,12 +175,26 @@ class GRPOTrainer:
         self.step = 0
         self.policy_version = 0
         self._snapshot = _Snapshot(self.optimizer)
+        # Set from another thread (a stopping learner) to end the step in flight at its next
+        # micro-batch, all or nothing (StepInterrupted). One process only: ranks under torchrun
+        # run collectives in lockstep, so there a step always runs to its end.
+        self.interrupt = threading.Event()
+        # A test hook (learner.faults.micro_batch_delay_s): each micro-batch waits this long
+        # first, as a slow model would; an interrupt ends the wait.
+        self.micro_batch_delay_s = 0.0
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         model = prepare_model(model, self.config.precision)
         if self.context.is_distributed:
             model = shard_model(model, self.device.type, fsdp_policy(self.config.precision))
         return model
+
+    def _next_micro_batch(self) -> None:
+        """Between micro-batches: where a step in flight may be interrupted."""
+        if self.micro_batch_delay_s:
+            self.interrupt.wait(self.micro_batch_delay_s)
+        if self.interrupt.is_set() and not self.context.is_distributed:
+            raise StepInterrupted(f"step {self.step + 1} interrupted between micro-batches")
 
     def compute(self) -> contextlib.AbstractContextManager[None]:
         """The precision of a forward pass (bf16 autocast in one process; see learner/precision.py)."""
@@ -298,6 +318,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             for sequences_of_micro in packed:
+                self._next_micro_batch()
                 batch = pad_right(sequences_of_micro, self.pad_token_id).to(self.device)
                 with self.compute():
                     logits = _logits_of(self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask))
@@ -350,6 +371,7 @@ class GRPOTrainer:
             part_tokens = sum(int(seq.loss_mask.sum()) for seq in part)  # N_k, all ranks together
             self.optimizer.zero_grad(set_to_none=True)
             for index, (batch, shared) in enumerate(micro):
+                self._next_micro_batch()
                 with self.compute():
                     logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared, self.config.temperature)
                 old = logprobs.detach() if part_old is None else part_old[index]

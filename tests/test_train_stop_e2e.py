@@ -88,3 +88,25 @@ def test_a_run_interrupted_by_ctrl_c_during_a_step_counts_that_step(tmp_path: Pa
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_step_longer_than_the_stop_allows_is_interrupted_and_the_step_before_is_kept(tmp_path: Path) -> None:
+    """A stop during a step that would outlast `processes.stop_timeout_s` (a big model on a small
+    CPU): the learner interrupts that step at a micro-batch instead of being SIGKILLed, and still
+    writes its final checkpoint, of the step before."""
+    run_dir = tmp_path / "slow"
+    # Step 2 waits 600 s before each micro-batch; the stop gives the learner 30 s (15 for the step).
+    process = _start(run_dir, "budget.max_seconds=300", "learner.faults.hold_at=null",
+                     "learner.faults.micro_batch_delay_s=600", "learner.checkpoint_every=0",
+                     "processes.stop_timeout_s=30")
+    deadline = time.monotonic() + 240
+    while "slowing step 2" not in _read(run_dir / "learner.log"):
+        assert process.poll() is None and time.monotonic() < deadline, "step 2 never started"
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGINT)
+    _finish(process, timeout_s=240)
+    log = _read(run_dir / "learner.log")
+    assert "interrupting it" in log and "no final checkpoint" not in log, log[-3000:]
+    assert _assert_agree(run_dir) == 1

@@ -12,7 +12,7 @@
    synchronous on-policy GRPO.
 3. Stops at the budget (optimizer steps and/or seconds) or on Ctrl-C: stops every child (SIGTERM,
    then SIGKILL after processes.stop_timeout_s), the learner first, which finishes the step in
-   flight and writes its final checkpoint; then prints a summary that agrees with that checkpoint
+   flight (or interrupts it past half that time) and writes its final checkpoint; then prints a summary that agrees with that checkpoint
    and metrics.jsonl (a step that finished after the stop is counted).
 
 A run directory `runs/<name>` holds: config.yaml (as resolved), env.log / policy.log /

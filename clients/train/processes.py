@@ -60,6 +60,8 @@ def write_component_config(config: RunConfig, run_dir: Path, policy_target: str)
             "policy_targets": [policy_target],
             "run_dir": run_dir,
             "max_steps": config.budget.max_steps,
+            # Half the stop's wait for the step in flight, half for the final checkpoint.
+            "stop_step_wait_s": config.processes.stop_timeout_s / 2,
         }
     )
     resolved = config.model_copy(update={"learner": learner})

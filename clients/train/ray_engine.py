@@ -260,6 +260,7 @@ class RayEngine:
             servers._targets[role] = _addresses(ray, role, servers.actors[role], timeout_s)
         learner = config.learner.model_copy(update={
             "policy_targets": servers._targets["policy"], "run_dir": run_dir, "max_steps": config.budget.max_steps,
+            "stop_step_wait_s": settings.stop_timeout_s / 2,  # half for the step in flight, half to save
         })
         servers.actors["learner"] = [actor("learner", 0, settings.learner, learner.model_dump(mode="json"))]
         servers._targets["learner"] = _addresses(ray, "learner", servers.actors["learner"], timeout_s)
