@@ -25,6 +25,11 @@ Role = Literal["env", "policy", "learner"]
 ROLES: tuple[Role, ...] = ("env", "policy", "learner")
 
 
+class ServerGone(RuntimeError):
+    """A server of the run is gone for good: the run stops, and its message (the engine's one
+    line, `Servers.failure`) is what `sciproto train` prints."""
+
+
 class Servers(Protocol):
     """The servers of one run, however they were started."""
 
@@ -82,4 +87,4 @@ def engine_for(config: TrainConfig) -> Engine:
     return LocalEngine()
 
 
-__all__ = ["ROLES", "Engine", "LocalEngine", "LocalServers", "Role", "Servers", "engine_for"]
+__all__ = ["ROLES", "Engine", "LocalEngine", "LocalServers", "Role", "ServerGone", "Servers", "engine_for"]

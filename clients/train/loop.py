@@ -34,7 +34,7 @@ from clients.collect import collect, collect_step_tasks, fork_mode, split_size
 from clients.curriculum import read_curriculum
 from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
-from clients.train.engine import Role, Servers
+from clients.train.engine import Role, ServerGone, Servers
 from clients.train.flow import Flow, GroupLedger
 from clients.train.phases import sft_groups
 from clients.train.records import (
@@ -49,7 +49,7 @@ from clients.train.resume import resume_point, trained_group_ids
 from clients.train.stream import LearnerStream
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.config import ConfigError
-from sciproto.errors import Unavailable, from_rpc_error
+from sciproto.errors import from_rpc_error
 from sciproto.pb import env_pb2, learner_pb2
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ async def run_rollouts_into_learner(
             while True:
                 await asyncio.sleep(WATCH_INTERVAL_S)
                 if (line := await asyncio.to_thread(servers.failure)) is not None:
-                    raise Unavailable(line)
+                    raise ServerGone(line)
 
         async def deadline(seconds: float) -> None:
             await asyncio.sleep(seconds)

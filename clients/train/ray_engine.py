@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from clients.train.cluster import ClusterSettings, RoleResources
 from clients.train.ray_actor import ServerHost, one_line
+from clients.train.resume import trained_steps
 from sciproto.config import ConfigError
 
 if TYPE_CHECKING:
@@ -55,10 +56,11 @@ def import_ray() -> Any:
 class RayServers:
     """The servers of one run on Ray (`clients.train.engine.Servers`)."""
 
-    def __init__(self, ray: Any, settings: ClusterSettings, owns_ray: bool) -> None:
+    def __init__(self, ray: Any, settings: ClusterSettings, owns_ray: bool, run_dir: Path | None = None) -> None:
         self._ray = ray
         self.settings = settings
         self.owns_ray = owns_ray  # this run started Ray and shuts it down
+        self.run_dir = run_dir
         self.actors: dict[str, list[Any]] = {role: [] for role in ROLES}
         self.placement_groups: list[Any] = []
         self._targets: dict[str, list[str]] = {role: [] for role in ROLES}
@@ -83,7 +85,7 @@ class RayServers:
                 known[index] = self._ray.get(ref)
             except self._ray.exceptions.RayActorError as error:
                 if _is_dead_for_good(self._ray, actors[index]):
-                    self._dead.setdefault(f"{role}[{index}]", one_line(error))
+                    self._dead.setdefault(self._name(role, index), why_dead(actors[index], one_line(error)))
         if role == "policy":
             self._follow_policy(list(known))
         return list(known)
@@ -115,19 +117,25 @@ class RayServers:
                     raise
                 time.sleep(0.5)
 
+    def _name(self, role: str, index: int) -> str:
+        return f"the {role} server" if len(self.actors[role]) == 1 else f"{role} server {index}"
+
     def failure(self) -> str | None:
-        """One line naming a role whose server is gone for good, else None. Also hands the learner
-        the new address of a policy server that moved (polled by the training loop)."""
+        """One line naming a role whose server is gone for good, why (its node was lost, ...) and
+        where a rerun starts, else None. Also hands the learner the new address of a policy
+        server that moved (polled by the training loop)."""
         self.targets("policy", timeout_s=0.5)
         for role in ROLES:
             for index, actor in enumerate(self.actors[role]):
-                name = f"{role}[{index}]"
+                name = self._name(role, index)
                 if name not in self._dead and _is_dead_for_good(self._ray, actor):
-                    self._dead[name] = "its actor died and Ray will not restart it"
+                    self._dead[name] = why_dead(actor)
         if not self._dead:
             return None
         name, why = next(iter(self._dead.items()))
-        return f"the {name} server on Ray is gone for good ({why}); a rerun resumes from the last checkpoint"
+        step = trained_steps(self.run_dir) if self.run_dir is not None else 0
+        rerun = f"a rerun resumes from its checkpoint of step {step}" if step else "a rerun starts over (no checkpoint yet)"
+        return f"{name} on Ray is gone for good: {why}; {rerun}"
 
     def stop(self) -> None:
         """Learner first (it checkpoints), then policy, then env; each bounded; then the actors,
@@ -162,6 +170,31 @@ def actor_state(actor: Any) -> dict[str, Any]:
     from ray._private import state
 
     return state.actors(actor_id=actor._actor_id.hex()) or {}
+
+
+def why_dead(actor: Any, otherwise: str = "its actor died and Ray will not restart it") -> str:
+    """Why Ray says `actor` died, in a few words (its node was lost, it ran out of memory, its
+    process exited), from the GCS's death cause; `otherwise` when the GCS does not say."""
+    try:
+        cause = actor_state(actor).get("DeathCause")
+    except Exception:  # noqa: BLE001 - the GCS is out of reach
+        return otherwise
+    if cause is None:
+        return otherwise
+    if cause.HasField("oom_context"):
+        return "its node ran out of memory and Ray killed it"
+    if cause.HasField("creation_task_failure_context"):
+        return "its server failed to start again (see its log in the run directory)"
+    if not cause.HasField("actor_died_error_context"):
+        return otherwise
+    context = cause.actor_died_error_context
+    reason = type(context).Reason.Name(context.reason)
+    if reason == "NODE_DIED":
+        return f"its node {context.node_ip_address or ''} was lost".replace("  ", " ")
+    if reason == "WORKER_DIED":
+        return "its process died (see its log in the run directory)"
+    first = context.error_message.strip().splitlines()
+    return first[0] if first else otherwise
 
 
 def _is_dead_for_good(ray: Any, actor: Any) -> bool:
@@ -215,8 +248,8 @@ class RayEngine:
         ray = import_ray()
         settings = self.settings
         owns_ray = connect(ray, settings)
-        servers = RayServers(ray, settings, owns_ray)
         run_dir = run_dir.resolve()
+        servers = RayServers(ray, settings, owns_ray, run_dir)
         try:
             self._start(ray, servers, config, run_dir)
         except BaseException:
@@ -283,4 +316,5 @@ def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float) -> list
     return addresses
 
 
-__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_servers_may_listen", "connect", "import_ray"]
+__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_servers_may_listen", "connect", "import_ray",
+           "why_dead"]

@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +21,16 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sciproto.client.env import EnvClient  # noqa: E402
-from sciproto.client.policy import PolicyClient  # noqa: E402
-from clients.train.cluster import ClusterSettings, RoleResources  # noqa: E402
-from clients.train.ray_engine import RayEngine, actor_state  # noqa: E402
-from clients.train import load_train_config, train  # noqa: E402
-from sciproto import pb  # noqa: E402
-from sciproto.channel import make_channel  # noqa: E402
+from clients.train import load_train_config, train
+from clients.train.cluster import ClusterSettings, RoleResources
+from clients.train.ray_engine import RayEngine, actor_state
+from clients.train.resume import latest_checkpoint, trained_steps
+from sciproto import cli_errors, pb
+from sciproto.channel import make_channel
+from sciproto.client.env import EnvClient
+from sciproto.client.policy import PolicyClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -119,6 +120,7 @@ class PlacedEngine(RayEngine):
     """The Ray engine, remembering where each role's servers started."""
 
     def start(self, config: Any, run_dir: Path) -> Any:
+        self.metrics = run_dir / "metrics.jsonl"
         self.servers = super().start(config, run_dir)
         self.placed = {role: self.servers.node_ids(role) for role in ("env", "policy", "learner")}
         return self.servers
@@ -143,19 +145,21 @@ def test_the_demo_trains_to_its_target_with_each_server_on_its_node(
 
 
 def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: dict[str, Any],
-                      metrics: Path, seen: dict[str, Any], steps: int = 2) -> None:
-    """In a thread: once the run has `steps` steps, remove (kill) the node `role`'s server runs
-    on, and wait until it runs on the other node of `by_id`; what it saw goes into `seen`."""
+                      ready: Callable[[], bool], seen: dict[str, Any], comes_back: bool = True) -> None:
+    """In a thread: once `ready()`, remove (kill) the node `role`'s server runs on and, when the
+    role `comes_back`, wait until it runs on the other node of `by_id`; what it saw goes into `seen`."""
     try:
         deadline = time.monotonic() + 300
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
-            assert time.monotonic() < deadline, f"no step {steps} within 300 s"
+        while not ready():
+            assert time.monotonic() < deadline, "the run did not get there within 300 s"
             time.sleep(0.2)
         seen["before"] = engine.servers.targets(role)
         (lost,) = engine.placed[role]
-        ray_cluster.remove_node(by_id[lost], allow_graceful=False)
-        seen["removed_after_step"] = len(metrics.read_text().splitlines())
         seen["spare"] = next(node_id for node_id in by_id if node_id != lost)
+        ray_cluster.remove_node(by_id[lost], allow_graceful=False)
+        seen["removed_after_step"] = steps_in(engine.metrics)
+        if not comes_back:
+            return
         deadline = time.monotonic() + 240
         while (now := engine.servers.node_ids(role, timeout_s=240)) == [lost]:  # not yet declared dead
             assert time.monotonic() < deadline, f"the {role} actor was not restarted within 240 s"
@@ -164,6 +168,10 @@ def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: 
         seen["after"] = engine.servers.targets(role, timeout_s=30)
     except BaseException as error:  # noqa: BLE001 - asserted by the test
         seen["error"] = error
+
+
+def steps_in(metrics: Path) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 def assert_accounted(outcome: Any, run_dir: Path) -> None:
@@ -189,7 +197,7 @@ def test_the_policy_node_is_lost_mid_run_and_the_restarted_server_gets_the_learn
     engine = PlacedEngine(PLACEMENT)
     seen: dict[str, Any] = {}
     remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
-        ray_cluster, engine, "policy", by_id, tmp_path / "demo" / "metrics.jsonl", seen))
+        ray_cluster, engine, "policy", by_id, lambda: steps_in(engine.metrics) >= 2, seen))
     remover.start()
     outcome = train(config, engine=engine)
     remover.join(60)
@@ -206,6 +214,50 @@ def test_the_policy_node_is_lost_mid_run_and_the_restarted_server_gets_the_learn
     assert_accounted(outcome, tmp_path / "demo")
 
 
+def test_the_learner_node_is_lost_the_run_stops_with_one_line_and_a_rerun_resumes_from_its_checkpoint(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Adds a second trainer node and removes (kills) the one the learner runs on once it has a
+    checkpoint: the learner is never restarted, so the run stops with one line (as `sciproto
+    train` prints it) that says so; a rerun starts the learner on the other node, from that
+    checkpoint, and trains on from the step after it."""
+    ray_cluster, nodes = cluster
+    spare = ray_cluster.add_node(num_cpus=1, resources={"trainer": 1}, object_store_memory=STORE)
+    ray_cluster.wait_for_nodes()
+    by_id = {node.node_id: node for node in (nodes["trainer"], spare)}
+    config = demo_config(tmp_path, "learner.checkpoint_every=2").model_copy(update={"cluster": PLACEMENT})
+    run_dir = tmp_path / "demo"
+    engine = PlacedEngine(PLACEMENT)
+    seen: dict[str, Any] = {}
+    remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
+        ray_cluster, engine, "learner", by_id, lambda: trained_steps(run_dir) >= 2, seen), kwargs={"comes_back": False})
+    remover.start()
+    status = cli_errors.run(lambda: train(config, engine=engine), command="sciproto train")
+    remover.join(60)
+    assert "error" not in seen, seen.get("error")
+    err = capsys.readouterr().err
+    assert status == cli_errors.EXIT_FAILED, err
+    assert "Traceback" not in err, err
+    checkpoint, path = trained_steps(run_dir), latest_checkpoint(run_dir)
+    assert checkpoint >= 2
+    # One line: which server, that its node was lost, and where a rerun starts; no hint that
+    # does not apply (the address was right; the node is gone).
+    (line,) = [text for text in err.splitlines() if text.startswith("sciproto train: error:")]
+    assert "the learner server" in line and "node" in line and "was lost" in line, line
+    assert f"a rerun resumes from its checkpoint of step {checkpoint}" in line, line
+    assert "is the server running" not in line and "UNAVAILABLE" not in line, line
+    rerun = demo_config(tmp_path, "learner.checkpoint_every=2", f"budget.max_steps={checkpoint + 2}")
+    engine = PlacedEngine(PLACEMENT)
+    outcome = train(rerun.model_copy(update={"cluster": PLACEMENT}), engine=engine)
+    assert engine.placed["learner"] == [seen["spare"]]
+    assert Path(outcome.run_dir) == run_dir
+    assert [s.step for s in outcome.steps] == [checkpoint + 1, checkpoint + 2], outcome.steps
+    assert f"resumed from {path}: step {checkpoint}," in (run_dir / "learner.log").read_text()
+    # metrics.jsonl: the first run's steps up to the checkpoint, then the rerun's.
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [int(m["step"]) for m in metrics] == list(range(1, checkpoint + 3))
+    assert trained_steps(run_dir) == checkpoint + 2
+
+
 def test_the_env_node_is_lost_mid_run_and_its_server_comes_back_on_a_live_node(
         cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
     """Last in the module: it adds a second rollout node and removes (kills, not drains) the one
@@ -218,28 +270,8 @@ def test_the_env_node_is_lost_mid_run_and_its_server_comes_back_on_a_live_node(
     engine = PlacedEngine(PLACEMENT)
     seen: dict[str, Any] = {}
 
-    def lose_the_env_node() -> None:
-        try:
-            metrics = tmp_path / "demo" / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
-                assert time.monotonic() < deadline, "no second step within 300 s"
-                time.sleep(0.2)
-            seen["before"] = engine.servers.targets("env")
-            (lost,) = engine.placed["env"]
-            ray_cluster.remove_node(by_id[lost], allow_graceful=False)
-            seen["removed_after_step"] = len(metrics.read_text().splitlines())
-            seen["spare"] = next(node_id for node_id in by_id if node_id != lost)
-            deadline = time.monotonic() + 240
-            while (now := engine.servers.node_ids("env", timeout_s=240)) == [lost]:  # not yet declared dead
-                assert time.monotonic() < deadline, "the env actor was not restarted within 240 s"
-                time.sleep(0.5)
-            seen["after_node"] = now
-            seen["after"] = engine.servers.targets("env", timeout_s=30)
-        except BaseException as error:  # noqa: BLE001 - asserted below
-            seen["error"] = error
-
-    remover = threading.Thread(target=lose_the_env_node, daemon=True)
+    remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
+        ray_cluster, engine, "env", by_id, lambda: steps_in(engine.metrics) >= 2, seen))
     remover.start()
     outcome = train(config, engine=engine)
     remover.join(60)
@@ -247,10 +279,4 @@ def test_the_env_node_is_lost_mid_run_and_its_server_comes_back_on_a_live_node(
     assert seen["after_node"] == [seen["spare"]] and seen["after"] != seen["before"], seen
     assert outcome.stopped_by == "target_reward", outcome.stopped_by
     assert outcome.steps[-1].step > seen["removed_after_step"]
-    # Every group in exactly one fate, and the summary agrees with the learner's metrics.
-    assert all(len(fates) == 1 for fates in outcome.group_fates.values())
-    metrics = [json.loads(line) for line in Path(outcome.metrics).read_text().splitlines() if line.strip()]
-    assert [int(m["step"]) for m in metrics] == [s.step for s in outcome.steps]
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["groups_settled"] == outcome.groups_settled
-    assert sum(outcome.groups_settled.values()) + outcome.groups_pending == len(outcome.group_fates)
+    assert_accounted(outcome, tmp_path / "demo")
