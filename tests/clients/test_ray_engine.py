@@ -5,6 +5,7 @@ small object stores; every Ray process is gone when the module ends."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -52,7 +53,10 @@ PLACEMENT = ClusterSettings(
 def cluster() -> Iterator[tuple[Any, dict[str, Any]]]:
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE})
+    # The GCS declares a killed node dead after 5 failed health checks: 1 s apart here (Ray's
+    # default is 3 s), so each node-loss test waits about 8 s for it here, not 16.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": STORE, "_system_config": {"health_check_period_ms": 1000}})
     try:
         nodes = {
             "rollout": cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE),
@@ -78,70 +82,66 @@ async def serving(target: str, service: str) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def test_each_role_runs_on_the_node_it_asked_for_and_serves_real_clients(
-        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
-    _, nodes = cluster
-    config = demo_config(tmp_path)
-    servers = RayEngine(PLACEMENT).start(config, tmp_path / "run")
+async def serves_real_clients(servers: Any) -> None:
+    """Each server listens on its node's IP (never localhost) and answers a real client."""
+    targets = {role: servers.targets(role) for role in ("env", "policy", "learner")}
+    for role, (target,) in targets.items():
+        host, port = target.rsplit(":", 1)
+        assert host == ray.util.get_node_ip_address() and int(port) > 0, (role, target)
+        assert host != "localhost"
+    async with EnvClient(targets["env"][0]) as env:
+        reset = await env.reset("toy", split="train", index=0, timeout=30)
+        assert reset.episode_id and (await env.close(reset.episode_id)).closed
+    policy = PolicyClient(targets["policy"][0])
     try:
-        placed = {role: servers.node_ids(role) for role in ("env", "policy", "learner")}
-        assert placed == {"env": [nodes["rollout"].node_id], "policy": [nodes["gpu"].node_id],
-                          "learner": [nodes["trainer"].node_id]}
-        targets = {role: servers.targets(role) for role in ("env", "policy", "learner")}
-        for role, (target,) in targets.items():
-            host, port = target.rsplit(":", 1)
-            assert host == ray.util.get_node_ip_address() and int(port) > 0, (role, target)
-            assert host != "localhost"
-        async with EnvClient(targets["env"][0]) as env:
-            reset = await env.reset("toy", split="train", index=0, timeout=30)
-            assert reset.episode_id and (await env.close(reset.episode_id)).closed
-        policy = PolicyClient(targets["policy"][0])
-        try:
-            assert (await policy.describe(timeout_s=30)).model
-        finally:
-            await policy.close()
-        assert await serving(targets["learner"][0], pb.LEARNER_SERVICE)
-        assert servers.failure() is None
+        assert (await policy.describe(timeout_s=30)).model
     finally:
-        servers.stop()
-    # Every server wrote its log into the run directory and was stopped gracefully (drained),
-    # not killed; the learner's metrics file is there too.
-    run_dir = tmp_path / "run"
-    for name in ("env", "policy", "learner"):
-        assert "draining in-flight calls" in (run_dir / f"{name}.log").read_text(), name
-    assert (run_dir / "metrics.jsonl").exists()
-    for role in ("env", "policy", "learner"):
-        for actor in servers.actors[role]:
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(actor.address.remote(), timeout=30)
+        await policy.close()
+    assert await serving(targets["learner"][0], pb.LEARNER_SERVICE)
+    assert servers.failure() is None
 
 
 class PlacedEngine(RayEngine):
-    """The Ray engine, remembering where each role's servers started."""
+    """The Ray engine, remembering where each role's servers started; with `check_clients`,
+    real clients call each server before the run starts."""
+
+    metrics: Path | None = None
+
+    def __init__(self, settings: ClusterSettings, check_clients: bool = False) -> None:
+        super().__init__(settings)
+        self.check_clients = check_clients
 
     def start(self, config: Any, run_dir: Path) -> Any:
         self.metrics = run_dir / "metrics.jsonl"
         self.servers = super().start(config, run_dir)
         self.placed = {role: self.servers.node_ids(role) for role in ("env", "policy", "learner")}
+        if self.check_clients:
+            asyncio.run(serves_real_clients(self.servers))
         return self.servers
 
 
 def test_the_demo_trains_to_its_target_with_each_server_on_its_node(
         cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    """Each role's actor on the node it asked for, serving real clients; the run to its target;
+    then every server drained, not killed, and every actor gone."""
     _, nodes = cluster
     config = demo_config(tmp_path).model_copy(update={"cluster": PLACEMENT})
-    engine = PlacedEngine(PLACEMENT)
+    engine = PlacedEngine(PLACEMENT, check_clients=True)
     outcome = train(config, engine=engine)
     assert engine.placed == {"env": [nodes["rollout"].node_id], "policy": [nodes["gpu"].node_id],
                              "learner": [nodes["trainer"].node_id]}
     assert outcome.stopped_by == "target_reward", outcome.stopped_by
     assert outcome.steps and outcome.checkpoint
     # Every group in exactly one fate, and the summary agrees with the learner's metrics.
-    assert all(len(fates) == 1 for fates in outcome.group_fates.values())
-    metrics = [json.loads(line) for line in Path(outcome.metrics).read_text().splitlines() if line.strip()]
-    assert [int(m["step"]) for m in metrics] == [s.step for s in outcome.steps]
-    assert all(not actor_state(a) or actor_state(a).get("State") == "DEAD"
-               for role in ("env", "policy", "learner") for a in engine.servers.actors[role])
+    assert_accounted(outcome, tmp_path / "demo")
+    # Every server wrote its log into the run directory and was stopped gracefully (drained).
+    for name in ("env", "policy", "learner"):
+        assert "draining in-flight calls" in (tmp_path / "demo" / f"{name}.log").read_text(), name
+    for role in ("env", "policy", "learner"):
+        for actor in engine.servers.actors[role]:
+            assert not actor_state(actor) or actor_state(actor).get("State") == "DEAD"
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.address.remote(), timeout=30)
 
 
 def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: dict[str, Any],
@@ -170,8 +170,8 @@ def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: 
         seen["error"] = error
 
 
-def steps_in(metrics: Path) -> int:
-    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+def steps_in(metrics: Path | None) -> int:
+    return len(metrics.read_text().splitlines()) if metrics is not None and metrics.exists() else 0
 
 
 def assert_accounted(outcome: Any, run_dir: Path) -> None:
@@ -184,33 +184,47 @@ def assert_accounted(outcome: Any, run_dir: Path) -> None:
     assert sum(outcome.groups_settled.values()) + outcome.groups_pending == len(outcome.group_fates)
 
 
-def test_the_policy_node_is_lost_mid_run_and_the_restarted_server_gets_the_learners_weights(
+def test_the_policy_node_then_the_env_node_are_lost_mid_run_and_each_server_comes_back_on_a_live_node(
         cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
-    """Adds a second GPU node and removes (kills) the one the policy server runs on: its actor
-    restarts in its placement group on the other, the learner is told its new address and
-    reconciles its weights, and training goes on to the target."""
+    """One run, two faults. Adds a second GPU node and a second rollout node. At step 2 it removes
+    (kills, not drains) the node the policy server runs on: its actor restarts in its placement
+    group on the other, the learner is told its new address and reconciles its weights. Two steps
+    later it removes the env server's node: its actor comes back on the other rollout node and
+    the client's replica pool finds it there. The run reaches its target with every group in one fate."""
     ray_cluster, nodes = cluster
-    spare = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=STORE)
+    spares = {"policy": ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=STORE),
+              "env": ray_cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE)}
     ray_cluster.wait_for_nodes()
-    by_id = {node.node_id: node for node in (nodes["gpu"], spare)}
+    by_id = {role: {node.node_id: node for node in (nodes[name], spares[role])}
+             for role, name in (("policy", "gpu"), ("env", "rollout"))}
     config = demo_config(tmp_path, "learner.reconcile_interval_s=2").model_copy(update={"cluster": PLACEMENT})
     engine = PlacedEngine(PLACEMENT)
-    seen: dict[str, Any] = {}
-    remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
-        ray_cluster, engine, "policy", by_id, lambda: steps_in(engine.metrics) >= 2, seen))
+    seen: dict[str, dict[str, Any]] = {"policy": {}, "env": {}}
+
+    def lose_the_policy_node_then_the_env_node() -> None:
+        lose_a_node_after(ray_cluster, engine, "policy", by_id["policy"], lambda: steps_in(engine.metrics) >= 2,
+                          seen["policy"])
+        if "error" not in seen["policy"]:
+            later = seen["policy"]["removed_after_step"] + 2
+            lose_a_node_after(ray_cluster, engine, "env", by_id["env"], lambda: steps_in(engine.metrics) >= later,
+                              seen["env"])
+
+    remover = threading.Thread(target=lose_the_policy_node_then_the_env_node, daemon=True)
     remover.start()
     outcome = train(config, engine=engine)
     remover.join(60)
-    assert "error" not in seen, seen.get("error")
-    assert seen["after_node"] == [seen["spare"]] and seen["after"] != seen["before"], seen
+    for role in ("policy", "env"):
+        assert "error" not in seen[role], (role, seen[role].get("error"))
+        assert seen[role]["after_node"] == [seen[role]["spare"]] and seen[role]["after"] != seen[role]["before"], seen
     assert outcome.stopped_by == "target_reward", outcome.stopped_by
-    assert outcome.steps[-1].step > seen["removed_after_step"] + 1
+    assert outcome.steps[-1].step > seen["policy"]["removed_after_step"] + 1
+    assert outcome.steps[-1].step > seen["env"]["removed_after_step"]
     learner_log = (tmp_path / "demo" / "learner.log").read_text()
-    assert f"policy server 0 moved to {seen['after'][0]}" in learner_log
+    assert f"policy server 0 moved to {seen['policy']['after'][0]}" in learner_log
     assert "re-pushed version" in learner_log
     # Steps after the move sampled from the restarted server at the learner's versions: the
     # policy lag stays bounded by max_staleness (1), so it was not left serving version 0.
-    assert all(s.policy_lag_mean <= 1.0 for s in outcome.steps if s.step > seen["removed_after_step"] + 2)
+    assert all(s.policy_lag_mean <= 1.0 for s in outcome.steps if s.step > seen["policy"]["removed_after_step"] + 2)
     assert_accounted(outcome, tmp_path / "demo")
 
 
@@ -256,27 +270,3 @@ def test_the_learner_node_is_lost_the_run_stops_with_one_line_and_a_rerun_resume
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [int(m["step"]) for m in metrics] == list(range(1, checkpoint + 3))
     assert trained_steps(run_dir) == checkpoint + 2
-
-
-def test_the_env_node_is_lost_mid_run_and_its_server_comes_back_on_a_live_node(
-        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
-    """Last in the module: it adds a second rollout node and removes (kills, not drains) the one
-    the env server runs on."""
-    ray_cluster, nodes = cluster
-    spare = ray_cluster.add_node(num_cpus=1, resources={"rollout": 1}, object_store_memory=STORE)
-    ray_cluster.wait_for_nodes()
-    by_id = {node.node_id: node for node in (nodes["rollout"], spare)}
-    config = demo_config(tmp_path).model_copy(update={"cluster": PLACEMENT})
-    engine = PlacedEngine(PLACEMENT)
-    seen: dict[str, Any] = {}
-
-    remover = threading.Thread(target=lose_a_node_after, daemon=True, args=(
-        ray_cluster, engine, "env", by_id, lambda: steps_in(engine.metrics) >= 2, seen))
-    remover.start()
-    outcome = train(config, engine=engine)
-    remover.join(60)
-    assert "error" not in seen, seen.get("error")
-    assert seen["after_node"] == [seen["spare"]] and seen["after"] != seen["before"], seen
-    assert outcome.stopped_by == "target_reward", outcome.stopped_by
-    assert outcome.steps[-1].step > seen["removed_after_step"]
-    assert_accounted(outcome, tmp_path / "demo")
