@@ -134,7 +134,8 @@ class RayServers:
             return None
         name, why = next(iter(self._dead.items()))
         step = trained_steps(self.run_dir) if self.run_dir is not None else 0
-        rerun = f"a rerun resumes from its checkpoint of step {step}" if step else "a rerun starts over (no checkpoint yet)"
+        rerun = (f"a rerun resumes from its checkpoint of step {step}" if step
+                 else f"a rerun starts over (no checkpoint in {self.run_dir})")
         return f"{name} on Ray is gone for good: {why}; {rerun}"
 
     def stop(self) -> None:
