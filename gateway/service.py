@@ -89,10 +89,10 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as error:
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers())
         except SciprotoError as error:
             api = from_sciproto(error)
-            return web.json_response(api.body(), status=api.status)
+            return web.json_response(api.body(), status=api.status, headers=api.headers())
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -100,8 +100,9 @@ class Gateway:
                            code="not_found" if error.status == 404 else None)
             return web.json_response(api.body(), status=api.status)
 
-    def _principal(self, request: web.Request, role: AuthRole) -> str:
-        """The caller's principal name ("" with auth off), once it holds `role`."""
+    def _principal(self, request: web.Request, role: AuthRole, *, charge: bool = True) -> str:
+        """The caller's principal name ("" with auth off), once it holds `role`. A request is
+        charged against the principal's rate once: a second role check passes `charge=False`."""
         if self.authenticator is None:
             return ""
         header = request.headers.get("Authorization")
@@ -111,11 +112,13 @@ class Gateway:
                 raise ApiError(403, f"this route requires role {role.value!r}; principal {principal.name!r} holds "
                                f"{', '.join(sorted(principal.roles))}", type_="permission_error",
                                code="permission_denied")
-            charge_request(principal)
+            if charge:
+                charge_request(principal)
         except SciprotoError as error:
-            status = 429 if error.code.name == "RESOURCE_EXHAUSTED" else 401
-            raise ApiError(status, error.message, type_="rate_limit_error" if status == 429 else "authentication_error",
-                           code="rate_limited" if status == 429 else "invalid_api_key") from None
+            if error.code.name == "RESOURCE_EXHAUSTED":
+                raise ApiError(429, error.message, type_="rate_limit_error", code="rate_limited",
+                               retry_after_s=error.retry_after_s or 1.0) from None
+            raise ApiError(401, error.message, type_="authentication_error", code="invalid_api_key") from None
         return principal.name
 
     @staticmethod
@@ -254,7 +257,7 @@ class Gateway:
         body = await self._json(request)
         outcome = _outcome(body)
         if outcome.status is RolloutStatus.SCORED:
-            self._principal(request, AuthRole.GRADER)
+            self._principal(request, AuthRole.GRADER, charge=False)
         session_id = request.match_info["session"]
         session, records = await self.close_session(session_id, principal, outcome)
         return web.json_response({"session": session_id, "group": task_for_label(outcome.group).group_id,
