@@ -34,7 +34,7 @@ from gateway.chat import (
 )
 from gateway.errors import ApiError, from_sciproto
 from gateway.records import Outcome, failed_record, session_records, task_for_label
-from gateway.responses import parse_responses_request, response_object
+from gateway.responses import as_responses_error, parse_responses_request, response_object
 from gateway.sessions import Plan, Session, SessionStore
 from gateway.streaming import stream_chat, stream_response
 from sciproto.auth import Authenticator, AuthRole, charge_request
@@ -155,7 +155,10 @@ class Gateway:
         return await self._call(request, parse_chat_request, self._complete)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, parse_responses_request, self._respond)
+        try:
+            return await self._call(request, parse_responses_request, self._respond)
+        except SciprotoError as error:  # a policy server's refusal, in the Responses API's names
+            raise as_responses_error(from_sciproto(error)) from None
 
     async def _call(self, request: web.Request, parse: Callable[[Any, int], ChatCall],
                     answer: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
