@@ -7,7 +7,8 @@ group routes that turn recorded calls into rollout records.
     GET  /v1/models, /s/{session}/v1/models
     GET  /sessions/{session}             the session's calls: token ids, logprobs, versions, segments
     POST /sessions/{session}/close       {"group": label, "reward": float}: its records join the group
-    POST /groups/{label}/take            the group's records so far, handed over once
+    POST /groups/{label}/take            the group's records so far, handed over once (and how many
+                                         were released from memory to the rollouts file first)
     GET  /health
 
 A session may also be named by the `X-Sciproto-Session` header on the plain /v1 routes.
@@ -65,7 +66,13 @@ class Gateway:
         self.authenticator = authenticator
         self.rollouts_file = rollouts_file
         self.generate_timeout_s = generate_timeout_s
+        # Closed records until taken, at most store.limits.max_held_records of them: past it, a
+        # gateway with a rollouts file releases the oldest from memory (they are in the file) and
+        # counts them per group; one without refuses closes until groups are taken.
         self.groups: dict[str, list[RolloutRecord]] = {}
+        self.held_records = 0
+        self.released: dict[str, int] = {}
+        self.released_records = 0
         self._next_sample: dict[str, int] = {}
         self._turns = itertools.count()
 
@@ -144,7 +151,8 @@ class Gateway:
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "sessions": len(self.store.sessions),
-                                  "expired_sessions": self.store.expired})
+                                  "expired_sessions": self.store.expired, "held_records": self.held_records,
+                                  "released_records": self.released_records})
 
     async def _models(self, request: web.Request) -> web.Response:
         self._principal(request, AuthRole.AGENT)
@@ -272,6 +280,8 @@ class Gateway:
         """End a session: its records join `outcome.group` (and the rollouts file)."""
         session = self.store.get(session_id, principal)
         async with session.lock:
+            if session.calls:
+                self._check_room(session.segments)
             self.store.pop(session_id, principal)
         if not session.calls:
             raise ApiError(400, f"session {session_id!r} made no call; nothing to train on", code="empty_session")
@@ -285,21 +295,50 @@ class Gateway:
         first = self._next_sample.get(outcome.group, 0)
         records = build(first)
         self._next_sample[outcome.group] = first + len(records)
-        self.groups.setdefault(outcome.group, []).extend(records)
         if self.rollouts_file is not None:
             with self.rollouts_file.open("a", encoding="utf-8") as file:
                 file.writelines(record.to_json_line() for record in records)
+        self.groups.setdefault(outcome.group, []).extend(records)
+        self.held_records += len(records)
+        self._release_oldest()
         return records
 
-    def take(self, label: str) -> list[RolloutRecord]:
-        """The records of group `label` closed so far, handed over once."""
-        return self.groups.pop(label, [])
+    def _check_room(self, records: int) -> None:
+        """Refuse a close whose records would pass the bound on held records when they exist
+        nowhere else (no rollouts file): the session stays open, nothing is lost."""
+        limit = self.store.limits.max_held_records
+        if self.rollouts_file is None and self.held_records and self.held_records + records > limit:
+            raise ApiError(429, f"the gateway holds {self.held_records} closed records no one has taken (its "
+                           f"limit is {limit}); take finished groups (POST /groups/LABEL/take) and close again, "
+                           "or serve with --rollouts to keep records in a file", type_="rate_limit_error",
+                           code="too_many_held_records", retry_after_s=1.0)
+
+    def _release_oldest(self) -> None:
+        """With a rollouts file, the oldest records past the bound leave memory (counted)."""
+        limit = self.store.limits.max_held_records
+        while self.rollouts_file is not None and self.held_records > limit:
+            label, records = next(iter(self.groups.items()))
+            dropped = records.pop(0)
+            if not records:
+                del self.groups[label]
+            self.held_records -= 1
+            self.released_records += 1
+            self.released[label] = self.released.get(label, 0) + 1
+            log.warning("released %s from memory past %d held records; it is in %s", dropped.rollout_id, limit,
+                        self.rollouts_file)
+
+    def take(self, label: str) -> tuple[list[RolloutRecord], int]:
+        """The records of group `label` closed so far, handed over once, and how many of its
+        records were released from memory before (they are in the rollouts file)."""
+        records = self.groups.pop(label, [])
+        self.held_records -= len(records)
+        return records, self.released.pop(label, 0)
 
     async def _take(self, request: web.Request) -> web.Response:
         self._principal(request, AuthRole.TRAINER)
         label = request.match_info["label"]
-        records = self.take(label)
-        return web.json_response({"group": task_for_label(label).group_id,
+        records, released = self.take(label)
+        return web.json_response({"group": task_for_label(label).group_id, "released": released,
                                   "records": [r.model_dump(mode="json", by_alias=True) for r in records]})
 
 

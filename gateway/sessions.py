@@ -120,6 +120,7 @@ class SessionLimits:
     max_sessions: int = 1024
     idle_ttl_s: float = 3600.0
     max_tokens: int = 1 << 20  # recorded tokens of one session, prompts counted per call
+    max_held_records: int = 4096  # closed sessions' records held until a group is taken
 
 
 class SessionStore:
