@@ -83,7 +83,7 @@ class LocalGateway:
                     label, 0.0, RolloutStatus.INFRA_ERROR, "the agent returned without calling the model"))
 
         await asyncio.gather(*(one(sample) for sample in range(size)))
-        taken, released = gateway.take(label)
+        taken, released = gateway.take(label, last=True)
         if released:
             raise RuntimeError(f"{released} record(s) of group {label!r} were released from memory past "
                                f"{gateway.store.limits.max_held_records} held records (they are in "

@@ -327,9 +327,12 @@ class Gateway:
             log.warning("released %s from memory past %d held records; it is in %s", dropped.rollout_id, limit,
                         self.rollouts_file)
 
-    def take(self, label: str) -> tuple[list[RolloutRecord], int]:
+    def take(self, label: str, *, last: bool = False) -> tuple[list[RolloutRecord], int]:
         """The records of group `label` closed so far, handed over once, and how many of its
-        records were released from memory before (they are in the rollouts file)."""
+        records were released from memory before (they are in the rollouts file). `last`: no
+        session will close in this group again, so its numbering is forgotten too."""
+        if last:
+            self._next_sample.pop(label, None)
         records = self.groups.pop(label, [])
         self.held_records -= len(records)
         return records, self.released.pop(label, 0)
