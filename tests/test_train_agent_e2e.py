@@ -45,3 +45,10 @@ def test_an_external_agent_trains_to_the_step_budget(tmp_path: Path) -> None:
             assert record.task["segments"] == "1" and 0.0 <= record.reward <= 1.0
             sessions.add(record.task["session"])
     assert len(sessions) == 2 * len(groups)
+
+
+def test_an_agent_program_that_is_not_there_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = run_cli(f"run.dir={tmp_path}", "rollout.agent={command: no-such-agent run.py}", timeout_s=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "no program 'no-such-agent' on PATH" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "demo").exists()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -78,6 +80,19 @@ class AgentCommand(BaseModel):
         ),
     )
     timeout_s: float = Field(600.0, gt=0, description="Seconds one run may take; past it the run is an INFRA_ERROR")
+
+    @model_validator(mode="after")
+    def _program_exists(self) -> AgentCommand:
+        # Every run of a missing program would fail at once, and the run would go on making
+        # failed groups until its budget: refuse it before anything starts.
+        try:
+            argv = shlex.split(self.command)
+        except ValueError as error:
+            raise ValueError(f"rollout.agent.command {self.command!r} is not valid shell words: {error}") from None
+        if not argv or shutil.which(argv[0]) is None:
+            raise ValueError(f"rollout.agent.command {self.command!r}: no program {argv[0] if argv else ''!r} "
+                             "on PATH (give the interpreter and the script, e.g. `python my_agent.py`)")
+        return self
 
 
 class RolloutSettings(BaseModel):
