@@ -138,7 +138,7 @@ async def _iterate(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey]) -> AsyncIt
             yield task
 
 
-async def _stream(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey], max_running: int,
+async def stream_runs(tasks: Iterable[TaskKey] | AsyncIterable[TaskKey], max_running: int,
                   run: Callable[[TaskKey], Awaitable[T]]) -> AsyncIterator[T]:
     """`run(task)` for every task, at most `max_running` at once, each result as it completes. The
     iterator is asked for a task only while a slot is free; leaving the loop early (or cancelling)
@@ -197,7 +197,7 @@ async def collect(
                              deadlines or Deadlines(), dict(options or {}))
     # aclosing: when the caller leaves early, the runs in flight are cancelled and their episodes
     # closed before this generator's aclose() returns, not later when the inner one is collected.
-    async with contextlib.aclosing(_stream(tasks, max(1, concurrency // samples),
+    async with contextlib.aclosing(stream_runs(tasks, max(1, concurrency // samples),
                                            lambda task: run_group(task, samples, env, policy, settings))) as groups:
         async for group in groups:
             yield group
@@ -217,7 +217,7 @@ async def collect_step_tasks(
     groups as soon as the task is done."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    async with contextlib.aclosing(_stream(
+    async with contextlib.aclosing(stream_runs(
             tasks, max(1, concurrency // grouping.group_size),
             lambda task: run_step_task(task, env, policy, settings, grouping, settings.options))) as done:
         async for task in done:

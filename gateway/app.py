@@ -110,7 +110,9 @@ def main(settings: GatewaySettings) -> None:
         raise SystemExit(2) from None
 
 
-def main_with(*, max_sessions: int, idle_ttl_s: float, max_session_tokens: int, **settings: object) -> None:
+def main_with(*, max_sessions: int, idle_ttl_s: float, max_session_tokens: int, max_held_records: int,
+              **settings: object) -> None:
     """`main` from the command line's options."""
-    limits = SessionLimits(max_sessions=max_sessions, idle_ttl_s=idle_ttl_s, max_tokens=max_session_tokens)
+    limits = SessionLimits(max_sessions=max_sessions, idle_ttl_s=idle_ttl_s, max_tokens=max_session_tokens,
+                           max_held_records=max_held_records)
     main(GatewaySettings(limits=limits, **settings))  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ and the mapping from a policy server's gRPC status to it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
@@ -16,8 +17,9 @@ class ApiError(Exception):
     """An error to answer with: HTTP `status`, OpenAI `type`, and the request field at fault."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s
         self.status = status
         self.message = message
         self.type = type_
@@ -26,6 +28,14 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """`Retry-After` (whole seconds, at least 1) and OpenAI's `retry-after-ms`, which the
+        official clients honour before retrying a 429."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s))),
+                "retry-after-ms": str(max(1, math.ceil(self.retry_after_s * 1000)))}
 
 
 _BY_CODE: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -53,4 +63,8 @@ def from_sciproto(error: SciprotoError) -> ApiError:
                         type_="server_error", code="upstream_auth")
     code = "context_length_exceeded" if error.reason == Reason.PROMPT_TOO_LONG else error.reason.lower()
     param = "messages" if error.reason == Reason.PROMPT_TOO_LONG else None
-    return ApiError(status, f"policy server: {error.message}", type_=type_, param=param, code=code)
+    retry_after_s = error.retry_after_s if status == 429 else None
+    if status == 429 and retry_after_s is None:
+        retry_after_s = 1.0
+    return ApiError(status, f"policy server: {error.message}", type_=type_, param=param, code=code,
+                    retry_after_s=retry_after_s)

@@ -83,5 +83,10 @@ class LocalGateway:
                     label, 0.0, RolloutStatus.INFRA_ERROR, "the agent returned without calling the model"))
 
         await asyncio.gather(*(one(sample) for sample in range(size)))
-        records = sorted(gateway.take(label), key=lambda record: record.sample)
+        taken, released = gateway.take(label, last=True)
+        if released:
+            raise RuntimeError(f"{released} record(s) of group {label!r} were released from memory past "
+                               f"{gateway.store.limits.max_held_records} held records (they are in "
+                               f"{gateway.rollouts_file}); raise SessionLimits.max_held_records")
+        records = sorted(taken, key=lambda record: record.sample)
         return RolloutGroup(task_for_label(label), records)

@@ -24,7 +24,7 @@ from sciproto.client.rollouts import (
 
 __all__ = ["Outcome", "failed_record", "session_records", "task_for_label"]
 
-_TASK_LABEL = re.compile(r"^(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)$")
+_TASK_LABEL = re.compile(r"^(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)(?:#.*)?$")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class Outcome:
 
 
 def task_for_label(label: str) -> TaskKey:
-    """"env/split/index" names a task of an environment; any other label is the task
+    """"env/split/index" names a task of an environment, and so does "env/split/index#tag" (another
+    group of the same task: the tag keeps groups apart); any other label is the task
     ("gateway", label, 0)."""
     match = _TASK_LABEL.match(label)
     if match:

@@ -6,13 +6,14 @@ it stands for, so sessions record it the same way; the agent sends its whole inp
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 from gateway.chat import ChatCall, Choice, parse_chat_request
 from gateway.errors import ApiError
 
-__all__ = ["chat_body", "output_items", "parse_responses_request", "response_object"]
+__all__ = ["as_responses_error", "chat_body", "output_items", "parse_responses_request", "response_object"]
 
 _PASSED = ("model", "temperature", "top_p", "stream", "seed")  # seed: an extension, as in chat
 
@@ -30,8 +31,9 @@ def _text(content: Any, where: str) -> Any:
     raise _fail(f"{where}.content must be a string or a list of input_text parts", f"{where}.content")
 
 
-def chat_body(body: Any) -> dict[str, Any]:
-    """The chat-completions body a Responses request stands for."""
+def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
+    """The chat-completions body a Responses request stands for, and where each of its messages
+    came from in the request (`instructions`, `input[i]`), to name in errors."""
     if not isinstance(body, dict):
         raise _fail("the body must be a JSON object", "body")
     for key in ("previous_response_id", "conversation"):
@@ -42,8 +44,12 @@ def chat_body(body: Any) -> dict[str, Any]:
         raise _fail("store=true is not supported: this gateway keeps no responses (sessions record the tokens)",
                     "store")
     messages: list[dict[str, Any]] = []
+    sources: list[str] = []
     if body.get("instructions"):
+        if not isinstance(body["instructions"], str):
+            raise _fail("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": body["instructions"]})
+        sources.append("instructions")
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -54,6 +60,7 @@ def chat_body(body: Any) -> dict[str, Any]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
+            sources.append(where)
         elif kind == "function_call":
             call = {"id": item.get("call_id", ""), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -62,11 +69,13 @@ def chat_body(body: Any) -> dict[str, Any]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                sources.append(where)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
                 raise _fail(f"{where}.output must be a string", f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": output})
+            sources.append(where)
         else:
             raise _fail(f"{where} is a {kind!r} item; this gateway takes message, function_call and "
                         "function_call_output items", where)
@@ -78,6 +87,12 @@ def chat_body(body: Any) -> dict[str, Any]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise _fail(f"tools[{i}] must be {{'type': 'function', 'name', 'parameters'}}; other tool kinds are "
                         "not supported", f"tools[{i}]")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise _fail(f"tools[{i}].name is required: the function's name", f"tools[{i}].name")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise _fail(f"tools[{i}].parameters must be a JSON Schema object", f"tools[{i}].parameters")
+        if not isinstance(tool.get("description", ""), str | None):
+            raise _fail(f"tools[{i}].description must be a string", f"tools[{i}].description")
         chat_tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                             if k in tool}})
     chat = {key: body[key] for key in _PASSED if key in body}
@@ -86,11 +101,34 @@ def chat_body(body: Any) -> dict[str, Any]:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = body["tool_choice"]
-    return chat
+    return chat, sources
+
+
+_CHAT_NAMES = re.compile(r"\bmessages\[(\d+)\]|\bmax_(?:completion_)?tokens\b|\bmessages\b")
+
+
+def as_responses_error(error: ApiError, sources: list[str] | None = None) -> ApiError:
+    """`error` in the Responses API's names: a chat message is the `input` item (or the
+    `instructions`) it came from, `max_tokens` is `max_output_tokens`, `messages` is `input`."""
+    def rename(text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            if match.group(1) is not None:
+                index = int(match.group(1))
+                return sources[index] if sources is not None and index < len(sources) else "input"
+            return "max_output_tokens" if match.group(0).startswith("max_") else "input"
+        return _CHAT_NAMES.sub(one, text)
+
+    return ApiError(error.status, rename(error.message), type_=error.type,
+                    param=rename(error.param) if error.param else error.param, code=error.code,
+                    retry_after_s=error.retry_after_s)
 
 
 def parse_responses_request(body: Any, max_context_tokens: int) -> ChatCall:
-    return parse_chat_request(chat_body(body), max_context_tokens)
+    chat, sources = chat_body(body)
+    try:
+        return parse_chat_request(chat, max_context_tokens)
+    except ApiError as error:
+        raise as_responses_error(error, sources) from None
 
 
 def output_items(choice: Choice) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@ group routes that turn recorded calls into rollout records.
     GET  /v1/models, /s/{session}/v1/models
     GET  /sessions/{session}             the session's calls: token ids, logprobs, versions, segments
     POST /sessions/{session}/close       {"group": label, "reward": float}: its records join the group
-    POST /groups/{label}/take            the group's records so far, handed over once
+    POST /groups/{label}/take            the group's records so far, handed over once (and how many
+                                         were released from memory to the rollouts file first)
     GET  /health
 
 A session may also be named by the `X-Sciproto-Session` header on the plain /v1 routes.
@@ -34,7 +35,7 @@ from gateway.chat import (
 )
 from gateway.errors import ApiError, from_sciproto
 from gateway.records import Outcome, failed_record, session_records, task_for_label
-from gateway.responses import parse_responses_request, response_object
+from gateway.responses import as_responses_error, parse_responses_request, response_object
 from gateway.sessions import Plan, Session, SessionStore
 from gateway.streaming import stream_chat, stream_response
 from sciproto.auth import Authenticator, AuthRole, charge_request
@@ -65,7 +66,13 @@ class Gateway:
         self.authenticator = authenticator
         self.rollouts_file = rollouts_file
         self.generate_timeout_s = generate_timeout_s
+        # Closed records until taken, at most store.limits.max_held_records of them: past it, a
+        # gateway with a rollouts file releases the oldest from memory (they are in the file) and
+        # counts them per group; one without refuses closes until groups are taken.
         self.groups: dict[str, list[RolloutRecord]] = {}
+        self.held_records = 0
+        self.released: dict[str, int] = {}
+        self.released_records = 0
         self._next_sample: dict[str, int] = {}
         self._turns = itertools.count()
 
@@ -89,10 +96,10 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as error:
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers())
         except SciprotoError as error:
             api = from_sciproto(error)
-            return web.json_response(api.body(), status=api.status)
+            return web.json_response(api.body(), status=api.status, headers=api.headers())
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -100,8 +107,9 @@ class Gateway:
                            code="not_found" if error.status == 404 else None)
             return web.json_response(api.body(), status=api.status)
 
-    def _principal(self, request: web.Request, role: AuthRole) -> str:
-        """The caller's principal name ("" with auth off), once it holds `role`."""
+    def _principal(self, request: web.Request, role: AuthRole, *, charge: bool = True) -> str:
+        """The caller's principal name ("" with auth off), once it holds `role`. A request is
+        charged against the principal's rate once: a second role check passes `charge=False`."""
         if self.authenticator is None:
             return ""
         header = request.headers.get("Authorization")
@@ -111,11 +119,13 @@ class Gateway:
                 raise ApiError(403, f"this route requires role {role.value!r}; principal {principal.name!r} holds "
                                f"{', '.join(sorted(principal.roles))}", type_="permission_error",
                                code="permission_denied")
-            charge_request(principal)
+            if charge:
+                charge_request(principal)
         except SciprotoError as error:
-            status = 429 if error.code.name == "RESOURCE_EXHAUSTED" else 401
-            raise ApiError(status, error.message, type_="rate_limit_error" if status == 429 else "authentication_error",
-                           code="rate_limited" if status == 429 else "invalid_api_key") from None
+            if error.code.name == "RESOURCE_EXHAUSTED":
+                raise ApiError(429, error.message, type_="rate_limit_error", code="rate_limited",
+                               retry_after_s=error.retry_after_s or 1.0) from None
+            raise ApiError(401, error.message, type_="authentication_error", code="invalid_api_key") from None
         return principal.name
 
     @staticmethod
@@ -141,7 +151,8 @@ class Gateway:
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "sessions": len(self.store.sessions),
-                                  "expired_sessions": self.store.expired})
+                                  "expired_sessions": self.store.expired, "held_records": self.held_records,
+                                  "released_records": self.released_records})
 
     async def _models(self, request: web.Request) -> web.Response:
         self._principal(request, AuthRole.AGENT)
@@ -152,7 +163,10 @@ class Gateway:
         return await self._call(request, parse_chat_request, self._complete)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, parse_responses_request, self._respond)
+        try:
+            return await self._call(request, parse_responses_request, self._respond)
+        except SciprotoError as error:  # a policy server's refusal, in the Responses API's names
+            raise as_responses_error(from_sciproto(error)) from None
 
     async def _call(self, request: web.Request, parse: Callable[[Any, int], ChatCall],
                     answer: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -254,7 +268,7 @@ class Gateway:
         body = await self._json(request)
         outcome = _outcome(body)
         if outcome.status is RolloutStatus.SCORED:
-            self._principal(request, AuthRole.GRADER)
+            self._principal(request, AuthRole.GRADER, charge=False)
         session_id = request.match_info["session"]
         session, records = await self.close_session(session_id, principal, outcome)
         return web.json_response({"session": session_id, "group": task_for_label(outcome.group).group_id,
@@ -266,6 +280,8 @@ class Gateway:
         """End a session: its records join `outcome.group` (and the rollouts file)."""
         session = self.store.get(session_id, principal)
         async with session.lock:
+            if session.calls:
+                self._check_room(session.segments)
             self.store.pop(session_id, principal)
         if not session.calls:
             raise ApiError(400, f"session {session_id!r} made no call; nothing to train on", code="empty_session")
@@ -279,21 +295,53 @@ class Gateway:
         first = self._next_sample.get(outcome.group, 0)
         records = build(first)
         self._next_sample[outcome.group] = first + len(records)
-        self.groups.setdefault(outcome.group, []).extend(records)
         if self.rollouts_file is not None:
             with self.rollouts_file.open("a", encoding="utf-8") as file:
                 file.writelines(record.to_json_line() for record in records)
+        self.groups.setdefault(outcome.group, []).extend(records)
+        self.held_records += len(records)
+        self._release_oldest()
         return records
 
-    def take(self, label: str) -> list[RolloutRecord]:
-        """The records of group `label` closed so far, handed over once."""
-        return self.groups.pop(label, [])
+    def _check_room(self, records: int) -> None:
+        """Refuse a close whose records would pass the bound on held records when they exist
+        nowhere else (no rollouts file): the session stays open, nothing is lost."""
+        limit = self.store.limits.max_held_records
+        if self.rollouts_file is None and self.held_records and self.held_records + records > limit:
+            raise ApiError(429, f"the gateway holds {self.held_records} closed records no one has taken (its "
+                           f"limit is {limit}); take finished groups (POST /groups/LABEL/take) and close again, "
+                           "or serve with --rollouts to keep records in a file", type_="rate_limit_error",
+                           code="too_many_held_records", retry_after_s=1.0)
+
+    def _release_oldest(self) -> None:
+        """With a rollouts file, the oldest records past the bound leave memory (counted)."""
+        limit = self.store.limits.max_held_records
+        while self.rollouts_file is not None and self.held_records > limit:
+            label, records = next(iter(self.groups.items()))
+            dropped = records.pop(0)
+            if not records:
+                del self.groups[label]
+            self.held_records -= 1
+            self.released_records += 1
+            self.released[label] = self.released.get(label, 0) + 1
+            log.warning("released %s from memory past %d held records; it is in %s", dropped.rollout_id, limit,
+                        self.rollouts_file)
+
+    def take(self, label: str, *, last: bool = False) -> tuple[list[RolloutRecord], int]:
+        """The records of group `label` closed so far, handed over once, and how many of its
+        records were released from memory before (they are in the rollouts file). `last`: no
+        session will close in this group again, so its numbering is forgotten too."""
+        if last:
+            self._next_sample.pop(label, None)
+        records = self.groups.pop(label, [])
+        self.held_records -= len(records)
+        return records, self.released.pop(label, 0)
 
     async def _take(self, request: web.Request) -> web.Response:
         self._principal(request, AuthRole.TRAINER)
         label = request.match_info["label"]
-        records = self.take(label)
-        return web.json_response({"group": task_for_label(label).group_id,
+        records, released = self.take(label)
+        return web.json_response({"group": task_for_label(label).group_id, "released": released,
                                   "records": [r.model_dump(mode="json", by_alias=True) for r in records]})
 
 

@@ -120,6 +120,7 @@ class SessionLimits:
     max_sessions: int = 1024
     idle_ttl_s: float = 3600.0
     max_tokens: int = 1 << 20  # recorded tokens of one session, prompts counted per call
+    max_held_records: int = 4096  # closed sessions' records held until a group is taken
 
 
 class SessionStore:
@@ -144,7 +145,7 @@ class SessionStore:
             if len(self.sessions) >= self.limits.max_sessions:
                 raise ApiError(429, f"the gateway holds {len(self.sessions)} open sessions, its limit; close "
                                "finished sessions (POST /sessions/{id}/close) or wait for idle ones to expire",
-                               type_="rate_limit_error", code="too_many_sessions")
+                               type_="rate_limit_error", code="too_many_sessions", retry_after_s=1.0)
             session = self.sessions[session_id] = Session(session_id, principal)
         elif session.principal != principal:
             raise ApiError(404, f"no session {session_id!r} for this caller", code="session_not_found")

@@ -145,6 +145,8 @@ def serve_gateway(
     max_sessions: Annotated[int, typer.Option(min=1, help="Open sessions at most")] = 1024,
     session_ttl: Annotated[float, typer.Option(min=1, help="Seconds an idle session is kept")] = 3600.0,
     max_session_tokens: Annotated[int, typer.Option(min=1, help="Recorded tokens of one session at most")] = 1 << 20,
+    max_held_records: Annotated[int, typer.Option(min=1, help="Closed sessions' records held until taken; past it "
+                                                  "the oldest go to --rollouts only, or closes wait without it")] = 4096,
     verbose: bool = False,
 ) -> None:
     """Serve an OpenAI-compatible HTTP API over the policy servers, recording sessions for training."""
@@ -152,7 +154,7 @@ def serve_gateway(
     importlib.import_module("gateway.app").main_with(
         policies=policy, host=host or "127.0.0.1", port=port, model_names=model_name or [], auth_file=auth,
         policy_token_file=policy_token_file, rollouts_file=rollouts, max_sessions=max_sessions,
-        idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens)
+        idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens, max_held_records=max_held_records)
 
 
 @app.command("agent-collect")

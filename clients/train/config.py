@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -63,6 +65,36 @@ class Budget(BaseModel):
         return self
 
 
+class AgentCommand(BaseModel):
+    """An external agent program that plays the tasks instead of sciproto's agent loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "The program, as shell words (e.g. `python my_agent.py`), started `samples` times per task with"
+            " OPENAI_BASE_URL (its gateway session) and SCIPROTO_TASK (env, split, index, the Reset"
+            " observation and tools); each finished run is graded by the env's Verify"
+        ),
+    )
+    timeout_s: float = Field(600.0, gt=0, description="Seconds one run may take; past it the run is an INFRA_ERROR")
+
+    @model_validator(mode="after")
+    def _program_exists(self) -> AgentCommand:
+        # Every run of a missing program would fail at once, and the run would go on making
+        # failed groups until its budget: refuse it before anything starts.
+        try:
+            argv = shlex.split(self.command)
+        except ValueError as error:
+            raise ValueError(f"rollout.agent.command {self.command!r} is not valid shell words: {error}") from None
+        if not argv or shutil.which(argv[0]) is None:
+            raise ValueError(f"rollout.agent.command {self.command!r}: no program {argv[0] if argv else ''!r} "
+                             "on PATH (give the interpreter and the script, e.g. `python my_agent.py`)")
+        return self
+
+
 class RolloutSettings(BaseModel):
     """The in-process rollout client."""
 
@@ -104,6 +136,13 @@ class RolloutSettings(BaseModel):
             "Groups started and not yet consumed by the learner; default (max_staleness + 1) x batch_groups"
         ),
     )
+    agent: AgentCommand | None = Field(
+        None,
+        description=(
+            "Train an external agent program through the OpenAI-compatible gateway (grouping trajectory);"
+            " its own requests set its sampling, so rollout.sampling, max_steps and max_tokens do not apply"
+        ),
+    )
     sampling: Sampling = Field(default_factory=Sampling)
     max_steps: int = Field(8, ge=1, description="Most environment Steps per episode")
     max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory")
@@ -120,6 +159,15 @@ class RolloutSettings(BaseModel):
             "unsettled groups are sent again once it is back"
         ),
     )
+
+    @model_validator(mode="after")
+    def _agent_plays_whole_episodes(self) -> RolloutSettings:
+        if self.agent is not None and self.grouping != "trajectory":
+            raise ValueError(
+                "rollout.agent runs an external program over whole tasks; it needs rollout.grouping trajectory"
+                " (step groups fork episodes inside sciproto's own agent loop)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _state_view_trains_by_step(self) -> RolloutSettings:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -30,8 +31,9 @@ from typing import IO, Any
 import grpc
 
 from clients.agent import AgentSettings, env_pool, policy_pool
-from clients.collect import collect, collect_step_tasks, fork_mode, split_size
+from clients.collect import collect, collect_step_tasks, fork_mode, split_size, stream_runs
 from clients.curriculum import read_curriculum
+from clients.external_agent import AgentProgram, run_agent_group
 from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
 from clients.train.engine import Role, ServerGone, Servers
@@ -47,6 +49,7 @@ from clients.train.records import (
 )
 from clients.train.resume import resume_point, trained_group_ids
 from clients.train.stream import LearnerStream
+from gateway.local import LocalGateway
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.config import ConfigError
 from sciproto.errors import from_rpc_error
@@ -166,6 +169,9 @@ async def run_rollouts_into_learner(
             if rollout.grouping == "step":
                 await produce_step_groups(rollouts_file, failures_file)
                 return
+            if rollout.agent is not None:
+                await produce_agent_groups(rollouts_file, failures_file)
+                return
             async for group in collect(
                 tasks(),
                 env=env,
@@ -184,6 +190,33 @@ async def run_rollouts_into_learner(
                 rollouts_file.flush()
                 failures_file.flush()
                 status.groups_generating = flow.in_flight
+
+        async def produce_agent_groups(rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """rollout.agent: each task admitted is `samples` runs of the external program, each in
+            a session of a gateway on the run's policy servers, graded by the env's Verify
+            (clients.external_agent); the group goes to the learner like any other."""
+            assert rollout.agent is not None
+            program = AgentProgram(rollout.agent.command, rollout.agent.timeout_s)
+
+            @contextlib.asynccontextmanager
+            async def lease() -> AsyncIterator[Any]:
+                async with env.lease() as replica:
+                    yield replica.client
+
+            async with LocalGateway(policy_pool_targets()) as gateway:
+                groups = stream_runs(tasks(), max(1, rollout.concurrency // rollout.samples),
+                                     lambda task: run_agent_group(gateway, lease, program, task, rollout.samples,
+                                                                  rollout.options))
+                async with contextlib.aclosing(groups):
+                    async for group in groups:
+                        flow.group_finished()
+                        send(group, next_epoch(group.task), rollouts_file, failures_file)
+                        rollouts_file.flush()
+                        failures_file.flush()
+                        status.groups_generating = flow.in_flight
+
+        def policy_pool_targets() -> list[str]:
+            return servers.targets("policy") if servers is not None else policy_targets
 
         async def produce_step_groups(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             """Each task admitted plays its step groups; each step group goes to the learner as a

@@ -124,3 +124,21 @@ def test_the_responses_api_answers_and_streams_the_same_text(client: openai.Open
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="my-agent-model", input="hi", previous_response_id="resp_1")
     assert caught.value.param == "previous_response_id"
+
+
+def test_responses_errors_name_the_responses_fields(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="my-agent-model", input="hi", max_output_tokens=10_000_000)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_output_tokens"
+    assert "max_output_tokens" in caught.value.message and "max_tokens" not in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="my-agent-model", instructions="Be terse.",
+                                input=[{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+    assert caught.value.param == "input[1].role" and "messages" not in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="my-agent-model", input="hi",
+                                tools=[{"type": "function", "name": "f", "parameters": "not a schema"}])
+    assert caught.value.param == "tools[0].parameters" and "function." not in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="my-agent-model", input="word " * 200_000, max_output_tokens=4)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "input"

@@ -81,3 +81,30 @@ def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: 
             gateway.stop()
     finally:
         policy.stop()
+
+
+def test_a_graded_close_is_charged_once_and_a_429_says_when_to_retry(
+        tiny_policy: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = secrets.token_urlsafe(24)
+    monkeypatch.setenv("GW_TOKEN_GRADER", token)
+    # Three requests at once, then one every 100 s: a call, a graded close, then a refusal.
+    (tmp_path / "auth.yaml").write_text(
+        "tokens:\n  - {principal: grader, roles: [agent, grader], token_env: GW_TOKEN_GRADER,\n"
+        "     limits: {requests_per_second: 0.01, burst: 3}}\n")
+    gateway = serve_gateway("--policy", tiny_policy.target, "--auth", str(tmp_path / "auth.yaml"),
+                            "--model-name", "m")
+    try:
+        base, headers = f"http://{gateway.target}", {"Authorization": f"Bearer {token}"}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{base}/s/once/v1/chat/completions", json=body, headers=headers,
+                          timeout=120).status_code == 200
+        closed = httpx.post(f"{base}/sessions/once/close", json={"group": "g", "reward": 1.0}, headers=headers,
+                            timeout=30)
+        assert closed.status_code == 200, closed.json()
+        assert httpx.get(f"{base}/v1/models", headers=headers, timeout=30).status_code == 200  # the third
+        refused = httpx.get(f"{base}/v1/models", headers=headers, timeout=30)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+        assert 1 <= int(refused.headers["Retry-After"]) <= 100
+        assert 0 < int(refused.headers["retry-after-ms"]) <= 100_000
+    finally:
+        gateway.stop()

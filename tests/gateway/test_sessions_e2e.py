@@ -108,6 +108,7 @@ def test_sessions_are_bounded_and_closing_needs_an_outcome(gateway: ServerProces
         assert httpx.post(f"{base}/s/{session}/v1/chat/completions", json=body, timeout=60).status_code == 200
     refused = httpx.post(f"{base}/s/c/v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_sessions"
+    assert int(refused.headers["Retry-After"]) >= 1  # OpenAI clients wait this long before retrying
     no_reward = httpx.post(f"{base}/sessions/a/close", json={"group": "g"}, timeout=30)
     assert no_reward.status_code == 400 and no_reward.json()["error"]["param"] == "reward"
     for session in ("a", "b"):
@@ -130,5 +131,54 @@ def test_idle_sessions_expire_and_are_counted_and_sizes_are_capped(tiny_policy: 
         time.sleep(1.5)  # past the idle TTL (a bound being exceeded, not a speed being measured)
         assert httpx.get(f"{base}/sessions/big", timeout=30).status_code == 404
         assert httpx.get(f"{base}/health", timeout=30).json()["expired_sessions"] == 1
+    finally:
+        server.stop()
+
+
+def _one_call_session(base: str, session: str, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert httpx.post(f"{base}/s/{session}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_closed_records_not_taken_are_bounded_and_nothing_goes_silently(tiny_policy: ServerProcess,
+                                                                         tmp_path: Path) -> None:
+    # Without a rollouts file the records exist only in memory: a full gateway refuses the close
+    # (the session stays open) until its groups are taken.
+    server = serve_gateway("--policy", tiny_policy.target, "--max-held-records", "2")
+    try:
+        base = f"http://{server.target}"
+        model = _model(server)
+        for session in ("a", "b", "c"):
+            _one_call_session(base, session, model)
+        for session in ("a", "b"):
+            assert httpx.post(f"{base}/sessions/{session}/close", json={"group": "g", "reward": 1.0},
+                              timeout=30).status_code == 200
+        refused = httpx.post(f"{base}/sessions/c/close", json={"group": "h", "reward": 1.0}, timeout=30)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_held_records"
+        assert int(refused.headers["Retry-After"]) >= 1 and "/groups/" in refused.json()["error"]["message"]
+        assert httpx.get(f"{base}/sessions/c", timeout=30).status_code == 200  # still open, nothing lost
+        assert httpx.get(f"{base}/health", timeout=30).json()["held_records"] == 2
+        assert len(httpx.post(f"{base}/groups/g/take", timeout=30).json()["records"]) == 2
+        assert httpx.post(f"{base}/sessions/c/close", json={"group": "h", "reward": 1.0},
+                          timeout=30).status_code == 200
+    finally:
+        server.stop()
+
+    # With a rollouts file every record is in the file: the oldest untaken ones leave memory, and
+    # the count of them is reported where they would have been taken.
+    rollouts = tmp_path / "held.jsonl"
+    server = serve_gateway("--policy", tiny_policy.target, "--max-held-records", "1", "--rollouts", str(rollouts))
+    try:
+        base = f"http://{server.target}"
+        model = _model(server)
+        for session in ("a", "b"):
+            _one_call_session(base, session, model)
+            assert httpx.post(f"{base}/sessions/{session}/close", json={"group": "g", "reward": 1.0},
+                              timeout=30).status_code == 200
+        assert httpx.get(f"{base}/health", timeout=30).json() | {"sessions": 0} == {
+            "status": "ok", "sessions": 0, "expired_sessions": 0, "held_records": 1, "released_records": 1}
+        taken = httpx.post(f"{base}/groups/g/take", timeout=30).json()
+        assert [r["rollout_id"] for r in taken["records"]] == ["gateway/g/0/1"] and taken["released"] == 1
+        assert [r.rollout_id for r in read_rollouts(rollouts)] == ["gateway/g/0/0", "gateway/g/0/1"]
     finally:
         server.stop()

@@ -10,5 +10,5 @@ import openai
 task = json.loads(os.environ["SCIPROTO_TASK"])
 client = openai.OpenAI(max_retries=0, timeout=300)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
 model = client.models.list().data[0].id
-reply = client.chat.completions.create(model=model, messages=task["messages"], tools=task["tools"], max_tokens=8)
+reply = client.chat.completions.create(model=model, messages=task["messages"], tools=task["tools"], max_tokens=24)
 assert reply.choices[0].message.content is not None or reply.choices[0].message.tool_calls

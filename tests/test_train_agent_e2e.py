@@ -1,0 +1,54 @@
+"""`sciproto train` with `rollout.agent`: an external agent program (the official `openai` SDK, in
+processes of its own) plays the toy tasks through a gateway on the run's policy server; its
+sessions, graded by the env's Verify, are the groups the learner trains on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from sciproto.client.rollouts import read_rollouts
+from tests.test_train_recovery_e2e import run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+AGENT = Path(__file__).parent / "gateway" / "agents" / "answer_agent.py"
+
+
+def test_an_external_agent_trains_to_the_step_budget(tmp_path: Path) -> None:
+    done = run_cli(f"run.dir={tmp_path}", "run.name=agent", "progress=false", "budget.target_reward=null",
+                   "budget.max_steps=2", "budget.max_seconds=240", "rollout.samples=2", "rollout.concurrency=4",
+                   "learner.batch_groups=2", "learner.buffer_capacity=8", "learner.checkpoint_every=0",
+                   f"rollout.agent={{command: '{sys.executable} {AGENT}', timeout_s: 120}}", timeout_s=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = tmp_path / "agent"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["stopped_by"] == "max_steps" and len(metrics) == 2
+    assert all(m["groups"] == 2 for m in metrics), metrics
+    # Every group generated is accounted once: settled by the learner or still pending at the end.
+    settled = summary["groups_settled"]
+    assert sum(settled.values()) + summary["groups_pending"] == summary["groups_generated"] >= 4
+    groups = defaultdict(list)
+    for record in read_rollouts(run_dir / "rollouts.jsonl"):
+        groups[record.group_id].append(record)
+    assert len(groups) == summary["groups_generated"]
+    sessions = set()
+    for group_id, records in groups.items():
+        assert group_id.startswith("toy/train/") and len(records) == 2
+        for record in records:  # one gateway session each, one call, graded by Verify
+            assert record.status == "SCORED" and record.steps == 1 and sum(record.loss_mask) > 0
+            assert record.task["segments"] == "1" and 0.0 <= record.reward <= 1.0
+            sessions.add(record.task["session"])
+    assert len(sessions) == 2 * len(groups)
+
+
+def test_an_agent_program_that_is_not_there_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = run_cli(f"run.dir={tmp_path}", "rollout.agent={command: no-such-agent run.py}", timeout_s=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "no program 'no-such-agent' on PATH" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "demo").exists()
