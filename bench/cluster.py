@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.train.ray_engine import import_ray
 from clients.train import TrainOutcome, load_train_config, train
+from clients.train.ray_engine import import_ray
 
 LAST_STEPS = 3  # steps averaged for "reward at the end"
 

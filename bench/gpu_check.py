@@ -32,15 +32,15 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from sciproto.client.policy import PolicyClient, push_weights_to_all
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
 from policy_server.backends.transformers_backend import TransformersBackend
 from policy_server.config import PolicyServerConfig
-from sciproto.models import load_model
 from policy_server.service import PolicyServicer, register
 from policy_server.types import GenerationRequest, SampleResult, SamplingParams
+from sciproto.client.policy import PolicyClient, push_weights_to_all
+from sciproto.models import load_model
 from sciproto.pb import POLICY_SERVICE
 from sciproto.server import ServerConfig, Service, start_server
 

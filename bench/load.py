@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from sciproto.client.env import EnvClient, new_request_id
 from sciproto.channel import ChannelConfig
+from sciproto.client.env import EnvClient, new_request_id
 from sciproto.errors import SciprotoError
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, start_server

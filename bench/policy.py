@@ -59,16 +59,16 @@ import grpc
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from sciproto.client.policy import PolicyClient, distinct_tensors, generate_request
 from policy_server.backends.transformers_backend import TransformersBackend
+from policy_server.types import GenerationRequest, SampleResult, SamplingParams
+from sciproto.channel import make_channel
+from sciproto.client.policy import PolicyClient, distinct_tensors, generate_request
 from sciproto.models import load_model
 from sciproto.models.byte_tokenizer import build_byte_tokenizer
-from policy_server.types import GenerationRequest, SampleResult, SamplingParams
-from sciproto.weights.wire import MiB, chunk_parts, data_message_wire
-from sciproto.channel import make_channel
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, start_command, start_server
 from sciproto.server import ServerConfig
+from sciproto.weights.wire import MiB, chunk_parts, data_message_wire
 
 SEED = 3
 MB = 1e6

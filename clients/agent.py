@@ -37,6 +37,8 @@ from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from sciproto import pb
+from sciproto.channel import ChannelConfig
 from sciproto.client.env import EnvClient
 from sciproto.client.policy import GenerationGroup, PolicyClient, generate_request, text_only
 from sciproto.client.replicas import Replica, ReplicaPool
@@ -53,8 +55,6 @@ from sciproto.client.rollouts import (
     finish_reason_name,
     status_from_pb,
 )
-from sciproto import pb
-from sciproto.channel import ChannelConfig
 from sciproto.errors import (
     DeadlineExceeded,
     InvalidArgument,

@@ -55,6 +55,10 @@ from clients.agent import (
     policy_pool,
     run_group,
 )
+from clients.step_groups import StepGrouping
+from clients.step_rollouts import StepGroupSettings, StepTask, run_step_task
+from clients.summary import CollectSummary, summarize
+from sciproto.channel import ServerAccess
 from sciproto.client.retries import Deadlines, RetryPolicy
 from sciproto.client.rollouts import (
     RolloutDetail,
@@ -65,10 +69,6 @@ from sciproto.client.rollouts import (
     drop_torn_tail,
     read_rollouts,
 )
-from clients.step_groups import StepGrouping
-from clients.step_rollouts import StepGroupSettings, StepTask, run_step_task
-from clients.summary import CollectSummary, summarize
-from sciproto.channel import ServerAccess
 from sciproto.config import load_config
 from sciproto.errors import SciprotoError
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing

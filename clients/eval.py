@@ -49,10 +49,10 @@ from clients.collect import (
     tasks_to_run,
 )
 from clients.eval_report import EndReason, PassReport, analyse_pass, curriculum_of
+from sciproto.channel import ServerAccess, make_channel
 from sciproto.client.policy import PolicyClient
 from sciproto.client.retries import Deadlines, RetryPolicy
 from sciproto.client.rollouts import RolloutRecord
-from sciproto.channel import ServerAccess, make_channel
 from sciproto.config import load_config
 from sciproto.processes import ServerProcess, start_server
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing

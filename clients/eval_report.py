@@ -20,8 +20,8 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from clients.curriculum import Curriculum
-from sciproto.client.rollouts import RolloutRecord, RolloutStatus
 from clients.summary import ks_for, pass_at_k
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus
 
 # The tool message an env server writes for a call it could not run (env_servers.convert).
 INVALID_CALL_PREFIX = "Invalid tool call"

@@ -37,6 +37,14 @@ from clients.agent import (
     TaskRejected,
     generate,
 )
+from clients.step_groups import (
+    BranchFailed,
+    EpisodeOver,
+    StepGroup,
+    StepGrouping,
+    StepGroupStats,
+    run_step_groups,
+)
 from sciproto.client.policy import GenerationGroup
 from sciproto.client.rollouts import (
     MessageRecord,
@@ -46,14 +54,6 @@ from sciproto.client.rollouts import (
     TaskKey,
     Trajectory,
     finish_reason_name,
-)
-from clients.step_groups import (
-    BranchFailed,
-    EpisodeOver,
-    StepGroup,
-    StepGrouping,
-    StepGroupStats,
-    run_step_groups,
 )
 from sciproto.errors import InvalidArgument, Reason, SciprotoError, Unavailable
 from sciproto.pb import common_pb2, policy_pb2

@@ -20,7 +20,13 @@ from env_servers.service import EnvironmentService
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import ENV_SERVICE, env_grpc
-from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import (
+    RunningServer,
+    Service,
+    announce_port,
+    serve_until_signalled,
+    start_server,
+)
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("env_servers.app")

@@ -11,18 +11,24 @@ from collections.abc import Sequence
 
 import torch
 
-from sciproto.client.policy import PolicyClient
 from learner.metrics import MetricsLogger
 from learner.server_config import LearnerServerConfig
 from learner.service import LearnerServicer
 from learner.trainer import GRPOTrainer
 from learner.weight_push import build_weight_pusher
-from sciproto.weights.wire import PROTO_TO_DTYPE
 from sciproto.auth import Authenticator
+from sciproto.client.policy import PolicyClient
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
-from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import (
+    RunningServer,
+    Service,
+    announce_port,
+    serve_until_signalled,
+    start_server,
+)
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
+from sciproto.weights.wire import PROTO_TO_DTYPE
 
 log = logging.getLogger("learner")
 

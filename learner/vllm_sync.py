@@ -27,10 +27,10 @@ import torch
 
 from learner.collective_push import CollectiveWeightPusher
 from learner.server_config import LearnerServerConfig
-from sciproto.weights.rendezvous import CollectiveRendezvous as NcclRendezvous
-from sciproto.weights.vllm import import_vllm
 from sciproto.channel import ServerAccess
 from sciproto.errors import FailedPrecondition, Reason
+from sciproto.weights.rendezvous import CollectiveRendezvous as NcclRendezvous
+from sciproto.weights.vllm import import_vllm
 
 
 class VllmNcclTransfer:

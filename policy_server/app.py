@@ -17,7 +17,13 @@ from policy_server.service import PolicyServicer, PromptTokenizer, register
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import POLICY_SERVICE
-from sciproto.server import RunningServer, Service, announce_port, serve_until_signalled, start_server
+from sciproto.server import (
+    RunningServer,
+    Service,
+    announce_port,
+    serve_until_signalled,
+    start_server,
+)
 from sciproto.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("policy_server")
@@ -40,8 +46,8 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
     """The configured backend, and how its prompts are turned into token ids."""
     if config.backend == "transformers":
         from policy_server.backends.transformers_backend import TransformersBackend
-        from sciproto.models import load_model
         from policy_server.prompts import prompt_token_ids
+        from sciproto.models import load_model
 
         options = config.transformers
         loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)

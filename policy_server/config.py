@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
+from sciproto.weights.rendezvous import CollectiveRendezvous
 
 
 class TransformersOptions(BaseModel):

@@ -38,16 +38,6 @@ from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
-from sciproto.weights.wire import (
-    DTYPE_TO_PROTO,
-    DigestCheck,
-    DigestMismatch,
-    WeightsReceiver,
-    check_header,
-    check_provenance,
-    parse_request,
-    refused,
-)
 from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -59,6 +49,16 @@ from sciproto.errors import (
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 from sciproto.server import server_info
 from sciproto.tracing import Attr, Operation, span_for_request, span_name
+from sciproto.weights.wire import (
+    DTYPE_TO_PROTO,
+    DigestCheck,
+    DigestMismatch,
+    WeightsReceiver,
+    check_header,
+    check_provenance,
+    parse_request,
+    refused,
+)
 
 # Turns a chat or token request into the exact prompt ids the model will see.
 PromptTokenizer = Callable[[GenerationRequest], list[int]]

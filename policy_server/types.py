@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from sciproto.weights.tensors import (
+from sciproto.weights.tensors import (  # noqa: F401 - named here for the backends
     TensorSpec,
     WeightUpdateManifest,
     dtype_from_name,

@@ -260,8 +260,8 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Re-score stored rollouts through Verify; list every disagreement; exit 1 if any."""
-    from sciproto.client.reverify import verify_rollouts
     from sciproto.channel import ChannelConfig, TlsClientConfig
+    from sciproto.client.reverify import verify_rollouts
 
     if not rollouts.is_file():
         raise SystemExit(f"sciproto verify: {rollouts} is not a file; give a rollouts JSONL file")

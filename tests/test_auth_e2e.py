@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from clients.collect import CollectConfig, run_collection
-from sciproto.client.policy import PolicyClient, generate_request
-from sciproto.models import load_model
 from sciproto import pb
 from sciproto.channel import ChannelConfig, make_channel
+from sciproto.client.policy import PolicyClient, generate_request
 from sciproto.config import load_config
 from sciproto.errors import PermissionDenied, Reason, Unauthenticated, from_rpc_error
+from sciproto.models import load_model
 from sciproto.processes import ServerProcess, start_server
 
 TOKEN_ENV = {"rollout": "AUTH_E2E_ROLLOUT_TOKEN", "trainer": "AUTH_E2E_TRAINER_TOKEN"}

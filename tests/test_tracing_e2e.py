@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from sciproto.client.rollouts import RolloutRecord, read_rollouts
 from sciproto import pb
+from sciproto.client.rollouts import RolloutRecord, read_rollouts
 from sciproto.processes import ServerProcess, sciproto_command, start_server
 from sciproto.tracing import Attr, Operation, span_name
 from sciproto.tracing_jsonl import read_spans

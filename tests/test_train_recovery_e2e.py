@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sciproto.client.policy import PolicyClient
 from clients.train import StepRecord, TrainConfig, TrainOutcome, run_rollouts_into_learner
 from sciproto.channel import make_channel
+from sciproto.client.policy import PolicyClient
 from sciproto.pb import learner_grpc, learner_pb2
 from sciproto.processes import ServerProcess, start_server
 

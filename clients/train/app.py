@@ -11,12 +11,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from clients.train.resume import choose_run_dir, trained_steps
 from clients.train.config import TrainConfig, check_envs, load_train_config
 from clients.train.display import Progress
 from clients.train.engine import Engine, Servers, engine_for
 from clients.train.loop import run_rollouts_into_learner
 from clients.train.records import TrainOutcome
+from clients.train.resume import choose_run_dir, trained_steps
 from clients.train.summary import finish_outputs, print_summary, settle_with_learner
 from sciproto.config import ConfigError
 

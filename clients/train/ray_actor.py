@@ -87,7 +87,7 @@ class ServerHost:
         self._stop = asyncio.Event()
         try:
             running = await _start_role(self.role, section, self.node_ip)
-        except BaseException as error:  # noqa: BLE001 - reported by the constructor
+        except BaseException as error:
             log.exception("%s server did not start", self.role)
             self._error = one_line(error)
             self._ready.set()

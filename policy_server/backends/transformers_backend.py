@@ -26,9 +26,7 @@ import torch
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
-from sciproto.models import LoadedModel
 from policy_server.prompts import prompt_token_ids
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -42,7 +40,9 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.models import LoadedModel
 from sciproto.weights.group import WeightGroup
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.wire import verify_tensor_digests
 
 

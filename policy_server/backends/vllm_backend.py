@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.prompts import prompt_token_ids
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -62,10 +60,10 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from sciproto.weights.wire import DigestMismatch
 from sciproto.units import GiB, MiB
-from sciproto.weights.vllm import VLLM_MISSING, import_vllm
-
+from sciproto.weights.rendezvous import CollectiveRendezvous
+from sciproto.weights.vllm import import_vllm
+from sciproto.weights.wire import DigestMismatch
 
 CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
 

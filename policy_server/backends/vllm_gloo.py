@@ -29,9 +29,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from policy_server.backends.vllm_backend import GLOO_TRANSFER_BACKEND
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.types import TensorSpec
 from sciproto.weights.group import WeightGroup
+from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.wire import DigestMismatch, verify_tensor_digests
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from sciproto.channel import ChannelConfig
 from sciproto.client.env import EnvClient
 from sciproto.client.rollouts import RolloutRecord, RolloutStatus, read_rollouts, status_from_pb
-from sciproto.channel import ChannelConfig
 from sciproto.errors import SciprotoError
 from sciproto.pb import env_pb2
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import xxhash
 
-from sciproto.weights.tensors import TensorSpec, dtype_name
 from sciproto.errors import FailedPrecondition, InvalidArgument, Reason
 from sciproto.pb import policy_pb2
 from sciproto.units import MiB
+from sciproto.weights.tensors import TensorSpec, dtype_name
 
 DTYPE_TO_PROTO: dict[str, int] = {
     "float32": policy_pb2.TENSOR_DTYPE_FLOAT32,

@@ -13,7 +13,7 @@ WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from sciproto.cli import m
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", WITHOUT_RAY, "train", "--set", f"run.dir={tmp_path}", *args],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
 
 
 def test_cluster_ray_without_ray_says_what_to_install(tmp_path: Path) -> None:

@@ -17,10 +17,16 @@ from safetensors.torch import save_file
 from clients.curriculum import CurriculumError, read_curriculum
 from clients.eval import EvalConfig, EvalError, EvalReport, evaluate, main, run_eval
 from clients.eval_report import EndReason, end_reason, wilson_interval
-from sciproto.client.rollouts import MessageRecord, RolloutRecord, RolloutStatus, TokenCounts, read_rollouts
 from clients.train import load_train_config
-from sciproto.models.loading import load_model
+from sciproto.client.rollouts import (
+    MessageRecord,
+    RolloutRecord,
+    RolloutStatus,
+    TokenCounts,
+    read_rollouts,
+)
 from sciproto.config import ConfigError
+from sciproto.models.loading import load_model
 from sciproto.processes import ServerProcess
 
 # The tiny random model writes a few digits now and then: "passing" = any digit at all gives

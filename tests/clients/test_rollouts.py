@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from clients.summary import pass_at_k
 from sciproto.client.rollouts import (
     RolloutRecord,
     RolloutStatus,
@@ -14,7 +15,6 @@ from sciproto.client.rollouts import (
     drop_torn_tail,
     read_rollouts,
 )
-from clients.summary import pass_at_k
 from sciproto.pb import common_pb2
 
 

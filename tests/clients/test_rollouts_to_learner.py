@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from clients.collect import main
-from sciproto.client.rollouts import read_rollouts
 from clients.train import group_to_pb
 from learner.service import group_from_pb
+from sciproto.client.rollouts import read_rollouts
 from sciproto.pb import policy_pb2
 from tests.clients.conftest import FAST
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from sciproto.client.env import EnvClient, tool_calls_action
 from clients.step_groups import StepGrouping, run_step_groups
+from sciproto.client.env import EnvClient, tool_calls_action
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.answers import expected_answer

@@ -11,17 +11,17 @@ import pytest
 
 from clients.agent import AgentSettings, Sampling, env_pool, policy_pool
 from clients.collect import collect
-from clients.train.resume import ResumePoint, resume_point
-from sciproto.client.retries import Deadlines, RetryPolicy
-from sciproto.client.rollouts import TaskKey
 from clients.step_groups import StepGrouping
 from clients.step_rollouts import run_step_task
 from clients.train import TrainConfig, group_to_pb, with_epoch
 from clients.train.flow import Flow
+from clients.train.resume import ResumePoint, resume_point
 from learner.config import GRPOConfig
 from learner.grpo import pad_right, prepare_batch
 from learner.prefix import shared_prefix_length
 from learner.service import group_from_pb
+from sciproto.client.retries import Deadlines, RetryPolicy
+from sciproto.client.rollouts import TaskKey
 from sciproto.config import ConfigError
 from sciproto.processes import ServerProcess, start_server
 from tests.conftest import NOTEBOOK_SANDBOX

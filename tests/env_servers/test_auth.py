@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sciproto.client.env import EnvClient
 from sciproto.channel import ChannelConfig
+from sciproto.client.env import EnvClient
 from sciproto.errors import NotFound, PermissionDenied, Reason, ResourceExhausted, Unauthenticated
 from sciproto.pb import common_pb2
 from sciproto.processes import ServerProcess, sciproto_command

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sciproto.client.env import EnvClient, EnvSession
 from env_servers.sandbox import _descendants
+from sciproto.client.env import EnvClient, EnvSession
 from sciproto.pb import env_pb2
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import edit_cell, serve_env, text

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from sciproto.client.env import EnvClient
 from env_servers.sandbox import _descendants
+from sciproto.client.env import EnvClient
 from sciproto.processes import ServerProcess
 from tests.env_servers.conftest import edit_cell, serve_env, text
 

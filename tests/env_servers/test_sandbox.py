@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from aviary.core import ToolCall, ToolRequestMessage
 
-from sciproto.client.env import EnvClient, tool_calls_action
 from env_servers.catalog import load_source
 from env_servers.envs.kernel import CellLimits, SandboxedKernel
 from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
+from sciproto.client.env import EnvClient, tool_calls_action
 from sciproto.processes import ServerProcess, sciproto_command, start_command
 from tests.conftest import BWRAP_PROBLEM
 from tests.env_servers.conftest import serve_env

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from tests.gateway.conftest import serve_gateway
 
 from sciproto.processes import ServerProcess
+from tests.gateway.conftest import serve_gateway
 
 QUESTION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.gateway.conftest import serve_gateway
-
 from sciproto.processes import ServerProcess, sciproto_command
+from tests.gateway.conftest import serve_gateway
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.gateway.conftest import serve_gateway
 
 from gateway.local import LocalGateway
 from sciproto.client.rollouts import RolloutStatus
 from sciproto.processes import ServerProcess, start_server
+from tests.gateway.conftest import serve_gateway
 
 
 async def test_a_group_of_function_agents_becomes_one_rollout_group(tiny_policy: ServerProcess) -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.gateway.conftest import serve_gateway
 
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import ServerProcess
+from tests.gateway.conftest import serve_gateway
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from tests.gateway.conftest import serve_gateway
 
 from sciproto.processes import ServerProcess, start_server
+from tests.gateway.conftest import serve_gateway
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 import torch
-from tests.gateway.conftest import serve_gateway
 
 from sciproto.client.policy import PolicyClient
 from sciproto.models import load_model
 from sciproto.processes import ServerProcess
+from tests.gateway.conftest import serve_gateway
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",

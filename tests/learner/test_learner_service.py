@@ -13,8 +13,8 @@ import grpc
 import pytest
 import yaml
 
-from sciproto.client.policy import PolicyClient
 from sciproto.channel import make_channel
+from sciproto.client.policy import PolicyClient
 from sciproto.pb import common_pb2, learner_grpc, learner_pb2, policy_pb2
 from sciproto.processes import ServerProcess, start_server
 

@@ -5,10 +5,10 @@ import pytest
 import pytest_asyncio
 from policy_service_helpers import policy_server_process
 
-from sciproto.client.policy import PolicyClient
 from policy_server.backends.transformers_backend import TransformersBackend
-from sciproto.models import LoadedModel, load_model
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
+from sciproto.client.policy import PolicyClient
+from sciproto.models import LoadedModel, load_model
 from sciproto.processes import ServerProcess
 
 

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from policy_service_helpers import policy_server_process, reference_logprobs, reference_model
 
 from learner.collective_push import CollectiveWeightPusher, GlooTransfer
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.errors import Unavailable
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
+from sciproto.weights.rendezvous import CollectiveRendezvous
 
 PROMPT = [11, 12, 13, 14]
 

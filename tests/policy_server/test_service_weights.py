@@ -18,7 +18,6 @@ from sciproto.client.policy import (
     generate_request,
     push_weights_to_all,
 )
-from sciproto.weights.wire import header_for, weights_sha256
 from sciproto.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -28,6 +27,7 @@ from sciproto.errors import (
 )
 from sciproto.pb import policy_grpc, policy_pb2
 from sciproto.processes import ServerProcess
+from sciproto.weights.wire import header_for, weights_sha256
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sciproto.weights.wire import data_message_wire, parse_request
 from sciproto.pb import policy_pb2
+from sciproto.weights.wire import data_message_wire, parse_request
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 300_000])

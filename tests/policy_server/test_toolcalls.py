@@ -1,7 +1,7 @@
 import json
 
-from sciproto.models.byte_tokenizer import build_byte_tokenizer
 from policy_server.toolcalls import parse_completion, render_tool_call
+from sciproto.models.byte_tokenizer import build_byte_tokenizer
 
 
 def test_parses_calls_and_keeps_surrounding_text():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from policy_server.backends.transformers_backend import TransformersBackend
-from sciproto.models import load_model
 from policy_server.types import ChatMessage, GenerationRequest, SampleResult, SamplingParams
+from sciproto.models import load_model
 
 
 def _greedy() -> GenerationRequest:

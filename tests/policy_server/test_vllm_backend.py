@@ -29,7 +29,6 @@ from policy_server.backends.vllm_backend import (
     version_spans,
 )
 from policy_server.config import PolicyServerConfig
-from sciproto.models import load_model, model_directory
 from policy_server.prompts import prompt_token_ids
 from policy_server.types import (
     ChatMessage,
@@ -40,6 +39,7 @@ from policy_server.types import (
     TokenDelta,
     VersionSpan,
 )
+from sciproto.models import load_model, model_directory
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

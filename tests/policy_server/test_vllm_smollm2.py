@@ -14,8 +14,8 @@ import torch
 
 from learner.grpo import token_logprobs_and_entropy
 from policy_server.backends.vllm_backend import VllmBackend, VllmOptions
-from sciproto.models import load_model, model_directory
 from policy_server.types import ChatMessage, GenerationRequest, SampleResult, SamplingParams
+from sciproto.models import load_model, model_directory
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

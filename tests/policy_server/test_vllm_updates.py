@@ -17,8 +17,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from policy_server.backends.vllm_backend import Platform, VllmBackend, VllmOptions, VllmTypes
 from policy_server.config import PolicyServerConfig
-from sciproto.models import load_model
-from sciproto.weights.rendezvous import CollectiveRendezvous
 from policy_server.service import PolicyServicer, register
 from policy_server.types import (
     GenerationRequest,
@@ -27,8 +25,10 @@ from policy_server.types import (
     TensorSpec,
     VersionSpan,
 )
+from sciproto.models import load_model
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 from sciproto.server import ServerConfig, Service, start_server
+from sciproto.weights.rendezvous import CollectiveRendezvous
 
 MANIFEST = [TensorSpec("w", (2,), "float32")]
 

@@ -14,13 +14,13 @@ import grpc
 
 from sciproto.client.policy import distinct_tensors
 from sciproto.models import load_model
+from sciproto.pb import policy_pb2
 from sciproto.weights.wire import (
     chunk_parts,
     data_message_wire,
     header_for,
     serialize_request,
 )
-from sciproto.pb import policy_pb2
 
 CHUNK_BYTES = 16 * 1024
 

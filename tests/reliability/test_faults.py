@@ -20,19 +20,19 @@ from typing import Self
 import pytest
 from reliability_servers import ARTIFACTS
 
+from sciproto.channel import ChannelConfig
 from sciproto.client.env import EnvClient, new_request_id
 from sciproto.client.policy import PolicyClient, distinct_tensors, generate_request
+from sciproto.errors import DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from sciproto.models import load_model
+from sciproto.pb import common_pb2, policy_pb2
+from sciproto.processes import ServerProcess, sciproto_command, start_server
 from sciproto.weights.wire import (
     chunk_parts,
     data_message_wire,
     header_for,
     serialize_request,
 )
-from sciproto.channel import ChannelConfig
-from sciproto.errors import DeadlineExceeded, FailedPrecondition, Reason, Unavailable
-from sciproto.pb import common_pb2, policy_pb2
-from sciproto.processes import ServerProcess, sciproto_command, start_server
 from tests.conftest import NOTEBOOK_SANDBOX
 from tests.env_servers.conftest import edit_cell
 

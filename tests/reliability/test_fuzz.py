@@ -29,10 +29,9 @@ from proto_strategies import (
 )
 from reliability_servers import RECEIVE_LIMIT_BYTES, Tally, health_status
 
+from sciproto import errors
 from sciproto.client.policy import distinct_tensors
 from sciproto.models import load_model
-from sciproto.weights.wire import chunk_parts, data_message_wire, header_for
-from sciproto import errors
 from sciproto.pb import (
     common_pb2,
     env_grpc,
@@ -43,6 +42,7 @@ from sciproto.pb import (
     policy_pb2,
 )
 from sciproto.processes import ServerProcess
+from sciproto.weights.wire import chunk_parts, data_message_wire, header_for
 
 pytestmark = pytest.mark.timeout(600)
 
