@@ -44,7 +44,7 @@ async def live_episodes(target: str) -> int:
         return (await client.describe()).counters.live_episodes
 
 
-async def wait_for_live_episodes(target: str, expected: int, timeout_s: float = 20.0) -> int:
+async def wait_for_live_episodes(target: str, expected: int, timeout_s: float = 60.0) -> int:
     """Live episodes once they are `expected` (closing happens after a stream ends), or as
     they are after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
