@@ -143,6 +143,8 @@ class Gateway:
         return session
 
     def _policy(self, session_id: str | None) -> PolicyClient:
+        if len(self.policies) == 1:  # spares each call the hash below
+            return self.policies[0]
         if session_id is None:
             return self.policies[next(self._turns) % len(self.policies)]
         return self.policies[int(uuid.uuid5(uuid.NAMESPACE_URL, session_id)) % len(self.policies)]

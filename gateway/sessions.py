@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,14 +130,23 @@ class SessionStore:
 
     def __init__(self, limits: SessionLimits) -> None:
         self.limits = limits
-        self.sessions: dict[str, Session] = {}
+        # In order of last use, oldest first, so that a sweep reads only the sessions it drops
+        # (and those in a call): every call sweeps, and a scan of all sessions would cost each
+        # call time in proportion to the number open.
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.expired = 0
 
     def sweep(self) -> None:
         deadline = time.monotonic() - self.limits.idle_ttl_s
-        for key in [key for key, s in self.sessions.items() if s.last_used < deadline and not s.lock.locked()]:
+        idle = []
+        for key, session in self.sessions.items():
+            if session.last_used >= deadline:
+                break  # this one and all after it were used since the deadline
+            if not session.lock.locked():
+                idle.append(key)
+        for key in idle:
             del self.sessions[key]
-            self.expired += 1
+        self.expired += len(idle)
 
     def open(self, session_id: str, principal: str) -> Session:
         self.sweep()
@@ -150,6 +160,7 @@ class SessionStore:
         elif session.principal != principal:
             raise ApiError(404, f"no session {session_id!r} for this caller", code="session_not_found")
         session.last_used = time.monotonic()
+        self.sessions.move_to_end(session_id)
         return session
 
     def check_size(self, session: Session) -> None:
