@@ -16,6 +16,7 @@ form one `RolloutGroup`, the form `collect` writes and `TrainStep` takes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -64,9 +65,9 @@ def openai_message(message: common_pb2.ChatMessage) -> dict[str, Any]:
 
 
 def _reply(choice: Choice) -> common_pb2.ChatMessage:
-    return common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=choice.content, tool_calls=[
-        common_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
-        for c in choice.tool_calls])
+    """The reply as the agent got it: the sample's parsed calls when it was offered tools."""
+    return common_pb2.ChatMessage(role=common_pb2.ROLE_ASSISTANT, content=choice.content,
+                                  tool_calls=choice.sample.tool_calls if choice.with_tools else [])
 
 
 async def task_description(lease: EnvLease, task: TaskKey, options: Mapping[str, str] | None = None) -> str:
@@ -82,9 +83,17 @@ async def task_description(lease: EnvLease, task: TaskKey, options: Mapping[str,
 async def _run_program(program: AgentProgram, base_url: str, task_json: str) -> None:
     """One run of the program; raises with the reason when it does not exit 0 in time. The
     process never outlives this call (a cancelled run kills it)."""
-    process = await asyncio.create_subprocess_exec(
+    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
         *program.argv(), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json})
+        env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json}))
+    try:
+        process = await asyncio.shield(starting)
+    except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us
+        with contextlib.suppress(Exception):
+            started = await starting
+            started.kill()
+            await started.wait()
+        raise
     try:
         _, stderr = await asyncio.wait_for(process.communicate(), program.timeout_s)
     except TimeoutError:

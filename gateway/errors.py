@@ -63,8 +63,6 @@ def from_sciproto(error: SciprotoError) -> ApiError:
                         type_="server_error", code="upstream_auth")
     code = "context_length_exceeded" if error.reason == Reason.PROMPT_TOO_LONG else error.reason.lower()
     param = "messages" if error.reason == Reason.PROMPT_TOO_LONG else None
-    retry_after_s = error.retry_after_s if status == 429 else None
-    if status == 429 and retry_after_s is None:
-        retry_after_s = 1.0
+    retry_after_s = (error.retry_after_s or 1.0) if status == 429 else None
     return ApiError(status, f"policy server: {error.message}", type_=type_, param=param, code=code,
                     retry_after_s=retry_after_s)

@@ -16,7 +16,7 @@ from tests.test_train_recovery_e2e import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-AGENT = Path(__file__).parent / "gateway" / "agents" / "answer_agent.py"
+AGENT = Path(__file__).resolve().parents[1] / "examples" / "openai_agent.py"
 
 
 def test_an_external_agent_trains_to_the_step_budget(tmp_path: Path) -> None:
@@ -52,3 +52,12 @@ def test_an_agent_program_that_is_not_there_is_refused_before_anything_starts(tm
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "no program 'no-such-agent' on PATH" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "demo").exists()
+
+
+def test_an_agent_program_that_fails_every_run_stops_the_run_with_its_error(tmp_path: Path) -> None:
+    """A command that starts but never works (a script that is not there, a module the interpreter
+    lacks) stops the run with the program's own error, not a run to the budget of refused groups."""
+    done = run_cli(f"run.dir={tmp_path}", "progress=false", "budget.max_seconds=120",
+                   f"rollout.agent={{command: '{sys.executable} {tmp_path}/no_such_agent.py'}}", timeout_s=200)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "failed on every run" in done.stderr and "no_such_agent.py" in done.stderr, done.stderr[-3000:]

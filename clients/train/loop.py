@@ -57,6 +57,9 @@ from sciproto.pb import env_pb2, learner_pb2
 
 log = logging.getLogger(__name__)
 
+# Groups whose every agent run failed, before any run worked, that stop the run as misconfigured.
+AGENT_FAILED_GROUPS_BEFORE_STOP = 2
+
 WATCH_INTERVAL_S = 2.0  # how often the engine's servers are asked whether a role is gone for good
 
 
@@ -185,11 +188,15 @@ async def run_rollouts_into_learner(
                 deadlines=rollout.deadlines,
                 options=rollout.options,
             ):
-                flow.group_finished()
-                send(group, next_epoch(group.task), rollouts_file, failures_file)
-                rollouts_file.flush()
-                failures_file.flush()
-                status.groups_generating = flow.in_flight
+                deliver(group, rollouts_file, failures_file)
+
+        def deliver(group: RolloutGroup, rollouts_file: IO[str], failures_file: IO[str]) -> None:
+            """A finished trajectory group: to the learner and the rollout files."""
+            flow.group_finished()
+            send(group, next_epoch(group.task), rollouts_file, failures_file)
+            rollouts_file.flush()
+            failures_file.flush()
+            status.groups_generating = flow.in_flight
 
         async def produce_agent_groups(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             """rollout.agent: each task admitted is `samples` runs of the external program, each in
@@ -207,13 +214,20 @@ async def run_rollouts_into_learner(
                 groups = stream_runs(tasks(), max(1, rollout.concurrency // rollout.samples),
                                      lambda task: run_agent_group(gateway, lease, program, task, rollout.samples,
                                                                   rollout.options))
+                failed_groups, any_ran = 0, False  # groups in a row whose every run failed
                 async with contextlib.aclosing(groups):
                     async for group in groups:
-                        flow.group_finished()
-                        send(group, next_epoch(group.task), rollouts_file, failures_file)
-                        rollouts_file.flush()
-                        failures_file.flush()
-                        status.groups_generating = flow.in_flight
+                        deliver(group, rollouts_file, failures_file)
+                        if any(r.status is not RolloutStatus.INFRA_ERROR for r in group.rollouts):
+                            failed_groups, any_ran = 0, True
+                            continue
+                        failed_groups += 1
+                        if not any_ran and failed_groups >= AGENT_FAILED_GROUPS_BEFORE_STOP:
+                            # A command that never works (a missing script, a module its interpreter
+                            # lacks) would otherwise fill the run with refused groups to its budget.
+                            error = next((r.error for r in group.rollouts if r.error), "no run made a call")
+                            raise ConfigError(f"rollout.agent.command {rollout.agent.command!r} failed on "
+                                              f"every run of the first {failed_groups} groups: {error}")
 
         def policy_pool_targets() -> list[str]:
             return servers.targets("policy") if servers is not None else policy_targets

@@ -191,7 +191,7 @@ def why_dead(actor: Any, otherwise: str = "its actor died and Ray will not resta
     context = cause.actor_died_error_context
     reason = type(context).Reason.Name(context.reason)
     if reason == "NODE_DIED":
-        return f"its node {context.node_ip_address or ''} was lost".replace("  ", " ")
+        return f"its node {context.node_ip_address} was lost" if context.node_ip_address else "its node was lost"
     if reason == "WORKER_DIED":
         return "its process died (see its log in the run directory)"
     first = context.error_message.strip().splitlines()

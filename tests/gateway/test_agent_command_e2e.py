@@ -11,7 +11,7 @@ from pathlib import Path
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import ServerProcess, sciproto_command, start_server
 
-AGENT = Path(__file__).with_name("agents") / "answer_agent.py"
+AGENT = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
 
 
 def test_an_external_agent_collects_graded_groups(tiny_policy: ServerProcess, tmp_path: Path) -> None:

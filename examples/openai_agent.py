@@ -1,4 +1,5 @@
-"""An external agent as a team would write it: the `openai` SDK, its base URL from
+"""An external agent as a team would write it (`sciproto train --set "rollout.agent={command: python
+examples/openai_agent.py}"`): the `openai` SDK, its base URL from
 OPENAI_BASE_URL, its task from SCIPROTO_TASK. It asks the model once, then answers through the
 task's tool with the model's text (or the model's own tool call, when it made one)."""
 
