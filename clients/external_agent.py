@@ -20,11 +20,12 @@ import contextlib
 import json
 import os
 import shlex
+import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from gateway.chat import Choice
 from gateway.local import LocalGateway
@@ -82,29 +83,47 @@ async def task_description(lease: EnvLease, task: TaskKey, options: Mapping[str,
 
 async def _run_program(program: AgentProgram, base_url: str, task_json: str) -> None:
     """One run of the program; raises with the reason when it does not exit 0 in time. The
-    process never outlives this call (a cancelled run kills it)."""
-    starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
-        *program.argv(), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json}))
-    try:
-        process = await asyncio.shield(starting)
-    except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us
-        with contextlib.suppress(Exception):
-            started = await starting
-            started.kill()
-            await started.wait()
-        raise
-    try:
-        _, stderr = await asyncio.wait_for(process.communicate(), program.timeout_s)
-    except TimeoutError:
-        raise RuntimeError(f"the agent ran past {program.timeout_s:.0f} s") from None
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    if process.returncode != 0:
-        tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"the agent exited {process.returncode}: {' | '.join(tail)}")
+    process never outlives this call (a cancelled run kills it and waits for it). Its stderr goes
+    to a file, not a pipe: a pipe's transport can still be open when the caller's event loop
+    closes right after a cancelled run, which asyncio reports as errors at exit."""
+    with tempfile.TemporaryFile() as stderr:
+        starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *program.argv(), stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+            env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json}))
+        try:
+            process = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us
+            with contextlib.suppress(Exception):
+                await _kill(await starting)
+            raise
+        try:
+            await asyncio.wait_for(process.wait(), program.timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"the agent ran past {program.timeout_s:.0f} s") from None
+        finally:
+            if process.returncode is None:
+                await _kill(process)
+        if process.returncode != 0:
+            raise RuntimeError(f"the agent exited {process.returncode}: {' | '.join(_last_lines(stderr, 3))}")
+
+
+async def _kill(process: asyncio.subprocess.Process, wait_s: float = 30.0) -> None:
+    """Kill `process` and wait (at most `wait_s`) until it has exited; a second cancellation does
+    not cut the wait short (a killed process exits at once)."""
+    process.kill()
+    loop = asyncio.get_running_loop()
+    waiting, deadline = asyncio.ensure_future(process.wait()), loop.time() + wait_s
+    while not waiting.done() and loop.time() < deadline:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({waiting}, timeout=deadline - loop.time())
+
+
+def _last_lines(file: IO[bytes], count: int, window: int = 8192) -> list[str]:
+    """The last `count` non-empty lines of `file` (read from its last `window` bytes)."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - window))
+    lines = file.read().decode(errors="replace").splitlines()
+    return [line for line in lines if line.strip()][-count:]
 
 
 async def run_agent_group(gateway: LocalGateway, lease: EnvLease, program: AgentProgram, task: TaskKey,

@@ -5,6 +5,7 @@ sessions, graded by the env's Verify, are the groups the learner trains on."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -61,3 +62,19 @@ def test_an_agent_program_that_fails_every_run_stops_the_run_with_its_error(tmp_
                    f"rollout.agent={{command: '{sys.executable} {tmp_path}/no_such_agent.py'}}", timeout_s=200)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "failed on every run" in done.stderr and "no_such_agent.py" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_run_stopped_with_agent_programs_in_flight_ends_them_quietly(tmp_path: Path) -> None:
+    """The time budget ends a run whose agent programs are all still running: each is killed and
+    waited for before the run's event loop closes, so nothing is left running and asyncio has
+    nothing to complain about after the summary."""
+    marker = f"sciproto-test-agent-{tmp_path.name}"
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)' {marker}"
+    done = run_cli(f"run.dir={tmp_path}", "progress=false", "budget.max_seconds=30", "rollout.concurrency=32",
+                   f"rollout.agent={{command: \"{sleeper}\", timeout_s: 300}}", timeout_s=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text())["stopped_by"] == "max_seconds"
+    for noise in ("Traceback", "is closed", "Task was destroyed", "Exception ignored"):
+        assert noise not in done.stderr, done.stderr[-4000:]
+    left = subprocess.run(["pgrep", "-f", marker], check=False, capture_output=True, text=True, timeout=30)
+    assert left.stdout == "", f"agent programs outlived the run: {left.stdout}"
