@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,8 +96,19 @@ class ServerHost:
         self._port = running.port
         self._running = running
         self._ready.set()
-        await self._stop.wait()
+        stop = asyncio.ensure_future(self._stop.wait())
+        ended = asyncio.ensure_future(running.wait())
+        await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if ended.done() and ended.exception() is not None:
+            # Only a learner rank other than 0 ends by itself (its rank 0 is gone, or a collective
+            # call failed): its process ends, so Ray reports the actor dead and the run stops.
+            log.error("the %s server ended: %s", self.role, one_line(ended.exception()))
+            logging.shutdown()
+            os._exit(1)
+        await stop  # a follower that rank 0 stopped waits for its own stop
         await running.stop()
+        # Not cancelled: a gRPC server's wait shares a future with its stop. It ends with the stop.
+        await asyncio.wait({ended}, timeout=5)
 
     def address(self) -> str:
         """`node_ip:port` of the server (never localhost on a real cluster)."""
