@@ -113,8 +113,11 @@ def join(env: RankEnv, timeout_s: float = 600.0) -> dist.Store | None:
     `timeout_s` bounds every collective (and the wait for all ranks to join)."""
     if env.world_size == 1:
         return None
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
+    # Under torchrun its agent already serves the store at MASTER_PORT: every rank is a client.
+    serves = env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, serves,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = dist.PrefixStore("sciproto-learner", store)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -64,7 +64,7 @@ from learner.buffer import RolloutBuffer
 from learner.checkpoint import MANIFEST_FILE, checkpoints_dir
 from learner.metrics import MetricsLogger
 from learner.push_types import Serving, ServingDigestMismatch
-from learner.ranks import Ranks
+from learner.ranks import Ranks, RanksFailed
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepInterrupted, StepMetrics
 from learner.types import FinishReason, Objective, RewardStatus, RolloutGroup, TrainSample
@@ -377,8 +377,12 @@ class LearnerServicer:
                         log.error("%s did not stop within %.0f s of being cancelled",
                                   task.get_name(), LOOP_STOP_TIMEOUT_S)
             if self.trainer.step > 0:
-                path = await self._save_checkpoint_locked(self.config.run_dir)
-                log.info("final checkpoint %s", path)
+                try:
+                    path = await self._save_checkpoint_locked(self.config.run_dir)
+                except RanksFailed as error:  # a rank is gone: a rerun resumes from the last checkpoint
+                    log.error("no final checkpoint: %s", error)
+                else:
+                    log.info("final checkpoint %s", path)
         finally:
             self._step_lock.release()
             self.metrics.close()

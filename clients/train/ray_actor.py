@@ -1,7 +1,9 @@
 """Inside a Ray actor: one sciproto server (`ServerHost`), started by its constructor with the same
 start-up code as `sciproto serve env|policy|learner`, bound to port 0 on the node's IP. Ray runs
 the constructor again when it restarts the actor, so a restarted server reports its new address.
-This module imports Ray only inside the actor."""
+A learner rank other than 0 serves nothing (its address has port 0): it follows rank 0 until rank 0
+stops it, and if it ends otherwise (rank 0 gone, a failed call) its process exits, so Ray reports
+the actor dead. This module imports Ray only inside the actor."""
 
 from __future__ import annotations
 

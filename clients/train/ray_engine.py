@@ -4,15 +4,21 @@
 
 Env servers spread over the nodes that have what they ask for; policy servers run in a placement
 group, one bundle (CPUs, GPUs, custom resources) per replica; the learner is one actor and is
-never restarted (a lost learner stops the run, and a rerun resumes from its last checkpoint). The
-rollout client runs in the driver, as with the local engine. An env or policy actor that Ray
+never restarted (a lost learner stops the run, and a rerun resumes from its last checkpoint). With
+`cluster.learner.ranks` > 1 the learner is that many data-parallel FSDP2 ranks, one actor each in a
+placement group of its own (`cluster.learner_strategy`; `clients.train.ray_learner`): rank 0 serves
+LearnerService, the others follow its collective calls (`learner.ranks`), are stopped after it, and
+a lost rank stops the run as a lost learner does. Run here: two ranks on two nodes of a simulated
+cluster (gloo on the CPU) train like one; not run: ranks on GPUs (NCCL) or on several real
+machines. The rollout client runs in the driver, as with the local engine. An env or policy actor that Ray
 restarts comes back at a new address: `RayServers.targets` reports it (the rollout pools ask), and
 a moved policy server is handed to the learner, which reconciles its weights.
 
     cluster:
       env: {replicas: 2, cpus: 1}
       policy: {replicas: 1, cpus: 1, gpus: 1}
-      learner: {cpus: 1, gpus: 1, resources: {trainer: 1}}
+      learner: {cpus: 1, gpus: 1, resources: {trainer: 1}, ranks: 2}   # one GPU per rank
+      learner_strategy: STRICT_SPREAD                                   # each rank on a node of its own
 
 Ray is imported only when a Ray run starts: `pip install 'sciproto[ray]'`. The learner writes its
 metrics and checkpoints to the run directory on its own node: on more than one machine that
