@@ -30,6 +30,7 @@ class RoleResources(BaseModel):
 class LearnerResources(RoleResources):
     """What each rank of the learner asks the cluster for (one placement-group bundle per rank)."""
 
+    replicas: int = Field(1, ge=1, description="Always 1: the learner scales by `ranks`")
     ranks: int = Field(
         1, ge=1, description=(
             "Data-parallel ranks of the learner (FSDP2), each an actor with `cpus`/`gpus`/`resources` of its "
@@ -69,7 +70,7 @@ class ClusterSettings(BaseModel):
         "PACK", description="How the policy placement group lays its bundles over nodes")
     learner: LearnerResources = Field(default_factory=LearnerResources)
     learner_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="How the learner's placement group (learner.ranks > 1) lays its ranks over nodes")
+        "PACK", description="How the learner's placement group (cluster.learner.ranks > 1) lays its ranks over nodes")
 
 
 __all__ = ["ClusterSettings", "LearnerResources", "RoleResources"]
