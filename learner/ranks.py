@@ -44,6 +44,7 @@ import torch.distributed as dist
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.distributed import current_context
 from learner.trainer import GRPOTrainer
+from sciproto.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class RankEnv:
         try:
             return cls(int(os.environ["RANK"]), world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         except KeyError as missing:
-            raise ValueError(f"WORLD_SIZE={world_size} needs {missing.args[0]} in the environment too "
+            raise ConfigError(f"WORLD_SIZE={world_size} needs {missing.args[0]} in the environment too "
                              "(RANK, MASTER_ADDR, MASTER_PORT)") from None
 
 
