@@ -1,17 +1,25 @@
 """`sciproto serve learner`: build the model the policy servers serve, learn the dtype they serve
 it in, resume from the run directory, start LearnerService, serve until SIGTERM/SIGINT (then save
-a final checkpoint)."""
+a final checkpoint).
+
+With several data-parallel ranks (WORLD_SIZE > 1, with RANK, MASTER_ADDR and MASTER_PORT, as
+torchrun or the Ray engine sets them), every rank joins the process group and builds the same
+trainer (FSDP2 shards it); rank 0 serves LearnerService and the others follow its collective calls
+(learner/ranks.py) until its shutdown, after the final checkpoint, stops them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from learner.metrics import MetricsLogger
+from learner.ranks import LeaderGone, RankEnv, Ranks, RanksFailed, follow, join
 from learner.server_config import LearnerServerConfig
 from learner.service import LearnerServicer
 from learner.trainer import GRPOTrainer
@@ -75,6 +83,9 @@ async def resolve_push_dtype(config: LearnerServerConfig) -> torch.dtype:
 
 
 async def serve(config: LearnerServerConfig, authenticator: Authenticator | None) -> None:
+    if RankEnv.from_environ().rank > 0:
+        await _follow_until_stopped(config)
+        return
     setup_tracing(config.tracing, "sciproto-learner")
     try:
         running = await start(config, authenticator)
@@ -83,15 +94,59 @@ async def serve(config: LearnerServerConfig, authenticator: Authenticator | None
         shutdown_tracing()
 
 
-async def start(config: LearnerServerConfig, authenticator: Authenticator | None) -> RunningServer:
-    """Build the trainer, resume, and start serving; returns at once (stopping the server saves
-    the final checkpoint). `serve` waits for a signal around it; a cluster engine's actor calls it
-    directly."""
+async def _follow_until_stopped(config: LearnerServerConfig) -> None:
+    """A follower under a launcher that signals every rank: rank 0 stops it after its final
+    checkpoint (a collective this rank takes part in), so a signal here waits for that."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: log.info("signal received; rank 0 stops this rank"))
+    running = await start(config, None)
+    await running.wait()
+
+
+class RunningFollower:
+    """A learner rank other than 0: it serves nothing and runs rank 0's collective calls
+    (`learner.ranks.follow`) in a thread of its own until rank 0 says stop. `wait` raises what
+    ended it otherwise (rank 0 gone, a failed call)."""
+
+    port = 0
+    services: tuple = ()
+
+    def __init__(self, following: asyncio.Future[None], stopping: threading.Event) -> None:
+        self._following = following
+        self._stopping = stopping
+
+    async def wait(self) -> None:
+        await asyncio.shield(self._following)
+
+    async def stop(self, timeout_s: float = 600.0) -> None:
+        """Wait (at most `timeout_s`) for rank 0 to say stop; past that, stop waiting for it."""
+        done, _ = await asyncio.wait({self._following}, timeout=timeout_s)
+        if not done:
+            log.error("rank 0 did not stop this learner rank within %.0f s; leaving", timeout_s)
+            self._stopping.set()
+
+
+async def start(
+    config: LearnerServerConfig, authenticator: Authenticator | None
+) -> RunningServer | RunningFollower:
+    """Join the ranks (with several), build the trainer, resume, and start serving; returns at
+    once (stopping the server saves the final checkpoint). `serve` waits for a signal around it; a
+    cluster engine's actor calls it directly. On a rank other than 0: the follower."""
+    rank_env = RankEnv.from_environ()
+    store = await asyncio.to_thread(join, rank_env)
     trainer, model_name = build_trainer(config)
+    if rank_env.rank > 0:
+        assert store is not None
+        stopping = threading.Event()
+        following = asyncio.ensure_future(asyncio.to_thread(follow, trainer, store, stopping=stopping))
+        log.info("learner rank %d of %d follows rank 0 at %s:%d", rank_env.rank, rank_env.world_size,
+                 rank_env.master_addr, rank_env.master_port)
+        return RunningFollower(following, stopping)
     trainer.push_dtype = await resolve_push_dtype(config)
     pusher = build_weight_pusher(config) if config.policy_targets else None
     metrics = MetricsLogger(config.run_dir, config.metrics)
-    servicer = LearnerServicer(config, trainer, pusher, metrics, model_name)
+    servicer = LearnerServicer(config, trainer, pusher, metrics, model_name, Ranks(trainer, store))
     await servicer.start()
     running = await start_server(
         config.server,
@@ -100,11 +155,12 @@ async def start(config: LearnerServerConfig, authenticator: Authenticator | None
         auth=authenticator,
     )
     log.info(
-        "training %s (step %d, version %d, %s compute over fp32 weights) on %s:%d; pushing %s to %s",
+        "training %s (step %d, version %d, %s compute over fp32 weights, %d rank(s)) on %s:%d; pushing %s to %s",
         model_name,
         trainer.step,
         trainer.policy_version,
         config.grpo.precision,
+        rank_env.world_size,
         config.server.host,
         running.port,
         str(trainer.push_dtype).removeprefix("torch."),
@@ -125,3 +181,6 @@ def main(config: str | None, overrides: list[str]) -> None:
     except ConfigError as error:  # found once the policy servers answered (push_dtype auto)
         print(f"sciproto serve learner: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (LeaderGone, RanksFailed) as error:  # a learner rank other than 0
+        print(f"sciproto serve learner: {error}", file=sys.stderr)
+        raise SystemExit(1) from None

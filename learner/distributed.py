@@ -81,7 +81,22 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective under FSDP2: every rank must call it.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    weights = get_model_state_dict(model, options=options)
+    return _tied(model, weights) if weights else weights
+
+
+def _tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names of one parameter (tied weights: an LM head tied to the embeddings) as one tensor, as
+    `model.state_dict()` gives them in one process; the gathered state dict copies each apart.
+    A weight push sends each tensor once, and a policy server refuses a tied name sent apart."""
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name not in weights:
+            continue
+        owner = first.setdefault(id(parameter), name)
+        if owner != name:
+            weights[name] = weights[owner]
+    return weights
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:

@@ -61,9 +61,10 @@ import grpc
 from pydantic import BaseModel, ValidationError
 
 from learner.buffer import RolloutBuffer
-from learner.checkpoint import MANIFEST_FILE, checkpoints_dir, load_checkpoint, save_checkpoint
+from learner.checkpoint import MANIFEST_FILE, checkpoints_dir
 from learner.metrics import MetricsLogger
 from learner.push_types import Serving, ServingDigestMismatch
+from learner.ranks import Ranks, RanksFailed
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepInterrupted, StepMetrics
 from learner.types import FinishReason, Objective, RewardStatus, RolloutGroup, TrainSample
@@ -243,9 +244,12 @@ class LearnerServicer:
         pusher: WeightPusher | None,
         metrics: MetricsLogger,
         model_name: str,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
         self.trainer = trainer
+        # Every collective trainer call goes through it, so that every rank makes it (learner/ranks.py)
+        self.ranks = ranks or Ranks(trainer)
         self.pusher = pusher
         self.metrics = metrics
         self.model_name = model_name
@@ -311,7 +315,7 @@ class LearnerServicer:
         path = latest_learner_checkpoint(self.config.run_dir)
         if path is None:
             return None
-        await asyncio.to_thread(load_checkpoint, self.trainer, path)
+        await self.ranks.run("load_checkpoint", path)
         state = LearnerState.model_validate_json((path / LEARNER_STATE_FILE).read_text())
         self.trained_group_ids = set(state.trained_group_ids)
         self.seen_group_ids = set(state.trained_group_ids)
@@ -346,6 +350,7 @@ class LearnerServicer:
         final checkpoint."""
         self._closing = True
         try:
+            # (With several ranks the interrupt below cannot end a step mid-way: it runs to its end.)
             await asyncio.wait_for(self._step_lock.acquire(), self.config.stop_step_wait_s)
         except TimeoutError:
             # A step longer than the stop allows: end it at its next micro-batch, all or nothing,
@@ -372,13 +377,18 @@ class LearnerServicer:
                         log.error("%s did not stop within %.0f s of being cancelled",
                                   task.get_name(), LOOP_STOP_TIMEOUT_S)
             if self.trainer.step > 0:
-                path = await self._save_checkpoint_locked(self.config.run_dir)
-                log.info("final checkpoint %s", path)
+                try:
+                    path = await self._save_checkpoint_locked(self.config.run_dir)
+                except RanksFailed as error:  # a rank is gone: a rerun resumes from the last checkpoint
+                    log.error("no final checkpoint: %s", error)
+                else:
+                    log.info("final checkpoint %s", path)
         finally:
             self._step_lock.release()
             self.metrics.close()
             if self.pusher is not None:
                 await self.pusher.aclose()
+            await asyncio.to_thread(self.ranks.close)  # the other ranks stop after the final checkpoint
 
     # ------------------------------------------------------------------ optimizer loop
 
@@ -442,7 +452,7 @@ class LearnerServicer:
                         "micro_batch_delay_s)", self.trainer.step + 1, slow)
         self.trainer.micro_batch_delay_s = slow
         train_started = time.monotonic()
-        metrics: StepMetrics = await asyncio.to_thread(self.trainer.train_step, groups)
+        metrics: StepMetrics = await self.ranks.run("train_step", groups)
         train_s = time.monotonic() - train_started
         await self._fault_hold("after_train")
         consumed = [g.group_id for g in groups]
@@ -681,7 +691,7 @@ class LearnerServicer:
                 self._published_version,
                 version,
             )
-            weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
+            weights = await self.ranks.run("state_dict_for_push")
             self._published_version = version
             try:
                 result = await pusher.push_to(indices, weights, version)
@@ -694,7 +704,7 @@ class LearnerServicer:
 
     async def _push(self) -> float:
         assert self.pusher is not None
-        weights = await asyncio.to_thread(self.trainer.state_dict_for_push)
+        weights = await self.ranks.run("state_dict_for_push")
         try:
             result = await self.pusher.push(weights, self.trainer.policy_version)
         except SciprotoError as error:
@@ -714,7 +724,7 @@ class LearnerServicer:
 
     async def _save_checkpoint_locked(self, root: Path) -> Path:
         """Write trainer and learner state; the caller holds the step lock."""
-        path = await asyncio.to_thread(save_checkpoint, self.trainer, root)
+        path = await self.ranks.run("save_checkpoint", root)
         await self._fault_hold("in_checkpoint")
         counters = self.buffer.counters
         state = LearnerState(

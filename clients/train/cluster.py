@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RoleResources(BaseModel):
@@ -27,8 +27,26 @@ class RoleResources(BaseModel):
         return {name: amount for name, amount in wanted.items() if amount > 0}
 
 
-def _learner_default() -> RoleResources:
-    return RoleResources(max_restarts=0)
+class LearnerResources(RoleResources):
+    """What each rank of the learner asks the cluster for (one placement-group bundle per rank)."""
+
+    replicas: int = Field(1, ge=1, description="Always 1: the learner scales by `ranks`")
+    ranks: int = Field(
+        1, ge=1, description=(
+            "Data-parallel ranks of the learner (FSDP2), each an actor with `cpus`/`gpus`/`resources` of its "
+            "own: rank 0 serves LearnerService, the others follow it"))
+    max_restarts: int = Field(
+        0, ge=-1, description="Times Ray restarts a lost learner (0: a lost learner stops the run, a rerun resumes)")
+
+    @model_validator(mode="after")
+    def _ranks_are_not_replicas(self) -> LearnerResources:
+        if self.replicas != 1:
+            raise ValueError(f"the learner has one replica (replicas {self.replicas}); for data parallelism "
+                             "set cluster.learner.ranks")
+        if self.ranks > 1 and self.max_restarts != 0:
+            raise ValueError(f"a learner of {self.ranks} ranks cannot be restarted rank by rank: set "
+                             "cluster.learner.max_restarts 0 (a lost rank stops the run, a rerun resumes)")
+        return self
 
 
 class ClusterSettings(BaseModel):
@@ -50,7 +68,9 @@ class ClusterSettings(BaseModel):
     policy: RoleResources = Field(default_factory=RoleResources)
     policy_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="How the policy placement group lays its bundles over nodes")
-    learner: RoleResources = Field(default_factory=_learner_default)
+    learner: LearnerResources = Field(default_factory=LearnerResources)
+    learner_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How the learner's placement group (cluster.learner.ranks > 1) lays its ranks over nodes")
 
 
-__all__ = ["ClusterSettings", "RoleResources"]
+__all__ = ["ClusterSettings", "LearnerResources", "RoleResources"]

@@ -1,12 +1,15 @@
 """Inside a Ray actor: one sciproto server (`ServerHost`), started by its constructor with the same
 start-up code as `sciproto serve env|policy|learner`, bound to port 0 on the node's IP. Ray runs
 the constructor again when it restarts the actor, so a restarted server reports its new address.
-This module imports Ray only inside the actor."""
+A learner rank other than 0 serves nothing (its address has port 0): it follows rank 0 until rank 0
+stops it, and if it ends otherwise (rank 0 gone, a failed call) its process exits, so Ray reports
+the actor dead. This module imports Ray only inside the actor."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,8 +98,19 @@ class ServerHost:
         self._port = running.port
         self._running = running
         self._ready.set()
-        await self._stop.wait()
+        stop = asyncio.ensure_future(self._stop.wait())
+        ended = asyncio.ensure_future(running.wait())
+        await asyncio.wait({stop, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if ended.done() and ended.exception() is not None:
+            # Only a learner rank other than 0 ends by itself (its rank 0 is gone, or a collective
+            # call failed): its process ends, so Ray reports the actor dead and the run stops.
+            log.error("the %s server ended: %s", self.role, one_line(ended.exception()))
+            logging.shutdown()
+            os._exit(1)
+        await stop  # a follower that rank 0 stopped waits for its own stop
         await running.stop()
+        # Not cancelled: a gRPC server's wait shares a future with its stop. It ends with the stop.
+        await asyncio.wait({ended}, timeout=5)
 
     def address(self) -> str:
         """`node_ip:port` of the server (never localhost on a real cluster)."""

@@ -4,15 +4,21 @@
 
 Env servers spread over the nodes that have what they ask for; policy servers run in a placement
 group, one bundle (CPUs, GPUs, custom resources) per replica; the learner is one actor and is
-never restarted (a lost learner stops the run, and a rerun resumes from its last checkpoint). The
-rollout client runs in the driver, as with the local engine. An env or policy actor that Ray
+never restarted (a lost learner stops the run, and a rerun resumes from its last checkpoint). With
+`cluster.learner.ranks` > 1 the learner is that many data-parallel FSDP2 ranks, one actor each in a
+placement group of its own (`cluster.learner_strategy`; `clients.train.ray_learner`): rank 0 serves
+LearnerService, the others follow its collective calls (`learner.ranks`), are stopped after it, and
+a lost rank stops the run as a lost learner does. Run here: two ranks on two nodes of a simulated
+cluster (gloo on the CPU) train like one; not run: ranks on GPUs (NCCL) or on several real
+machines. The rollout client runs in the driver, as with the local engine. An env or policy actor that Ray
 restarts comes back at a new address: `RayServers.targets` reports it (the rollout pools ask), and
 a moved policy server is handed to the learner, which reconciles its weights.
 
     cluster:
       env: {replicas: 2, cpus: 1}
       policy: {replicas: 1, cpus: 1, gpus: 1}
-      learner: {cpus: 1, gpus: 1, resources: {trainer: 1}}
+      learner: {cpus: 1, gpus: 1, resources: {trainer: 1}, ranks: 2}   # one GPU per rank
+      learner_strategy: STRICT_SPREAD                                   # each rank on a node of its own
 
 Ray is imported only when a Ray run starts: `pip install 'sciproto[ray]'`. The learner writes its
 metrics and checkpoints to the run directory on its own node: on more than one machine that
@@ -31,6 +37,7 @@ from pydantic import ValidationError
 
 from clients.train.cluster import ClusterSettings, RoleResources
 from clients.train.ray_actor import ServerHost, one_line
+from clients.train.ray_learner import learner_placement_group, rank_options
 from clients.train.resume import trained_steps
 from sciproto.config import ConfigError
 
@@ -62,6 +69,7 @@ class RayServers:
         self.owns_ray = owns_ray  # this run started Ray and shuts it down
         self.run_dir = run_dir
         self.actors: dict[str, list[Any]] = {role: [] for role in ROLES}
+        self.followers: list[Any] = []  # the learner's ranks 1.. (cluster.learner.ranks > 1)
         self.placement_groups: list[Any] = []
         self._targets: dict[str, list[str]] = {role: [] for role in ROLES}
         self._dead: dict[str, str] = {}
@@ -125,11 +133,11 @@ class RayServers:
         where a rerun starts, else None. Also hands the learner the new address of a policy
         server that moved (polled by the training loop)."""
         self.targets("policy", timeout_s=0.5)
-        for role in ROLES:
-            for index, actor in enumerate(self.actors[role]):
-                name = self._name(role, index)
-                if name not in self._dead and _is_dead_for_good(self._ray, actor):
-                    self._dead[name] = why_dead(actor)
+        named = [(self._name(role, index), actor) for role in ROLES for index, actor in enumerate(self.actors[role])]
+        named += [(f"learner rank {rank}", actor) for rank, actor in enumerate(self.followers, start=1)]
+        for name, actor in named:
+            if name not in self._dead and _is_dead_for_good(self._ray, actor):
+                self._dead[name] = why_dead(actor)
         if not self._dead:
             return None
         name, why = next(iter(self._dead.items()))
@@ -139,29 +147,35 @@ class RayServers:
         return f"{name} on Ray is gone for good: {why}; {rerun}"
 
     def stop(self) -> None:
-        """Learner first (it checkpoints), then policy, then env; each bounded; then the actors,
-        placement groups and (when this run started it) Ray itself go."""
+        """Learner first (it checkpoints, then stops its other ranks, which stop next), then policy,
+        then env; each bounded; then the actors, placement groups and (when this run started it)
+        Ray itself go."""
         if self._stopped:
             return
         self._stopped = True
         ray = self._ray
         try:
-            for role in STOP_ORDER:
-                refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in self.actors[role]]
+            for role, actors in self._in_stop_order():
+                refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in actors]
                 if refs:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.settings.stop_timeout_s + 5)
                     for ref in ready:
                         try:
                             ray.get(ref)
                         except ray.exceptions.RayError as error:
-                            log.warning("%s server stopped with an error: %s", role, one_line(error))
-                for actor in self.actors[role]:
+                            log.warning("%s stopped with an error: %s", role, one_line(error))
+                for actor in actors:
                     ray.kill(actor, no_restart=True)
             for group in self.placement_groups:
                 ray.util.remove_placement_group(group)
         finally:
             if self.owns_ray:
                 ray.shutdown()
+
+    def _in_stop_order(self) -> list[tuple[str, list[Any]]]:
+        groups = {f"{role} server": self.actors[role] for role in STOP_ORDER}
+        ordered = [("learner server", groups.pop("learner server")), ("learner rank", self.followers)]
+        return ordered + list(groups.items())
 
 
 def actor_state(actor: Any) -> dict[str, Any]:
@@ -296,25 +310,51 @@ class RayEngine:
             "policy_targets": servers._targets["policy"], "run_dir": run_dir, "max_steps": config.budget.max_steps,
             "stop_step_wait_s": settings.stop_timeout_s / 2,  # half for the step in flight, half to save
         })
-        servers.actors["learner"] = [actor("learner", 0, settings.learner, learner.model_dump(mode="json"))]
-        servers._targets["learner"] = _addresses(ray, "learner", servers.actors["learner"], timeout_s)
+        self.start_learner(ray, servers, learner.model_dump(mode="json"), run_dir)
+
+    def start_learner(self, ray: Any, servers: RayServers, section: dict[str, Any], run_dir: Path) -> None:
+        """The learner from its config `section`: one actor, or with `cluster.learner.ranks` > 1 one
+        actor per rank in a placement group (`clients.train.ray_learner`); returns once rank 0
+        serves and every other rank follows it."""
+        settings = self.settings
+        resources = settings.learner
+        options = {"num_cpus": resources.cpus, "num_gpus": resources.gpus, "resources": resources.resources or None,
+                   "max_restarts": resources.max_restarts, "max_concurrency": 4}
+        host = ray.remote(ServerHost)
+        timeout_s = settings.start_timeout_s
+        if resources.ranks == 1:
+            servers.actors["learner"] = [host.options(**options).remote(
+                "learner", section, str(run_dir / "learner.log"), timeout_s)]
+            servers._targets["learner"] = _addresses(ray, "learner", servers.actors["learner"], timeout_s)
+            return
+        group = learner_placement_group(ray, resources, settings.learner_strategy, timeout_s)
+        servers.placement_groups.append(group)
+        ranks = [host.options(**options, **placement).remote("learner", section, str(run_dir / log_name), timeout_s)
+                 for placement, log_name in rank_options(ray, group, resources.ranks)]
+        servers.actors["learner"], servers.followers = ranks[:1], ranks[1:]
+        servers._targets["learner"] = _addresses(ray, "learner", ranks, timeout_s, kind="rank")[:1]
 
 
-def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float) -> list[str]:
-    """Each actor's address once its server listens, or a one-line error."""
+def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float, kind: str = "server") -> list[str]:
+    """Each actor's address once its server listens (a learner rank other than 0: once it follows
+    rank 0), or a one-line error: the first that fails, or the first still silent at `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     refs = [actor.address.remote() for actor in actors]
-    addresses = []
-    for index, ref in enumerate(refs):
+    addresses: dict[int, str] = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            index = next(i for i in range(len(refs)) if i not in addresses)
+            raise ConfigError(f"the {role} {kind} {index} on Ray did not start within {timeout_s:g} s "
+                              "(does the cluster have the CPUs/GPUs/resources it asks for? `ray status`)")
+        index = refs.index(ready[0])
         try:
-            addresses.append(ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
-        except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"the {role} server {index} on Ray did not start within {timeout_s:g} s "
-                              "(does the cluster have the CPUs/GPUs/resources it asks for? `ray status`)") from None
+            addresses[index] = ray.get(ready[0])
         except ray.exceptions.RayActorError as error:
             cause = getattr(error, "cause", None) or error
-            raise ConfigError(f"the {role} server {index} on Ray did not start: {one_line(cause)}") from None
-    return addresses
+            raise ConfigError(f"the {role} {kind} {index} on Ray did not start: {one_line(cause)}") from None
+    return [addresses[i] for i in range(len(refs))]
 
 
 __all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_servers_may_listen", "connect", "import_ray",

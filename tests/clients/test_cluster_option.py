@@ -55,3 +55,16 @@ def test_an_actor_that_could_not_start_reports_what_its_config_check_says() -> N
     with pytest.raises(ValidationError) as caught:
         ServerConfig(host="192.0.2.2")
     assert "refusing to serve plaintext on '192.0.2.2'" in one_line(caught.value)
+
+
+def test_learner_ranks_are_neither_replicas_nor_restarted_one_by_one() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from clients.train.cluster import ClusterSettings
+
+    with pytest.raises(ValidationError, match="for data parallelism set cluster.learner.ranks"):
+        ClusterSettings.model_validate({"learner": {"replicas": 2}})
+    with pytest.raises(ValidationError, match="set cluster.learner.max_restarts 0"):
+        ClusterSettings.model_validate({"learner": {"ranks": 2, "max_restarts": 1}})
+    assert ClusterSettings.model_validate({"learner": {"ranks": 2}}).learner.ranks == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,16 +23,19 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
 
+import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.train import load_train_config, train
-from clients.train.cluster import ClusterSettings, RoleResources
-from clients.train.ray_engine import RayEngine, actor_state
+from clients.train.cluster import ClusterSettings, LearnerResources, RoleResources
+from clients.train.ray_engine import RayEngine, RayServers, actor_state
 from clients.train.resume import latest_checkpoint, trained_steps
 from sciproto import cli_errors, pb
 from sciproto.channel import make_channel
 from sciproto.client.env import EnvClient
 from sciproto.client.policy import PolicyClient
+from sciproto.pb import common_pb2, learner_grpc, learner_pb2
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,7 +47,7 @@ PLACEMENT = ClusterSettings(
     engine="ray",
     env=RoleResources(cpus=1, resources={"rollout": 1}),
     policy=RoleResources(cpus=1, gpus=1),
-    learner=RoleResources(cpus=1, resources={"trainer": 1}, max_restarts=0),
+    learner=LearnerResources(cpus=1, resources={"trainer": 1}),
     start_timeout_s=240,
     stop_timeout_s=60,
 )
@@ -142,6 +146,122 @@ def test_the_demo_trains_to_its_target_with_each_server_on_its_node(
             assert not actor_state(actor) or actor_state(actor).get("State") == "DEAD"
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.address.remote(), timeout=30)
+
+
+
+# Two steps of two groups of uneven sizes: the ranks get different numbers of sequences.
+RANK_REWARDS = [(1.0, 0.0, 0.5), (0.0, 1.0), (0.25, 1.0, 0.0, 0.5), (1.0, 0.5)]
+
+
+def rank_groups(version: int = 0, prefix: str = "g") -> list[learner_pb2.RolloutGroup]:
+    """Fixed groups of byte tokens (a 4-token prompt, 3 to 9 completion tokens), sampled at `version`."""
+    rng = random.Random(7)
+    groups = []
+    for number, rewards in enumerate(RANK_REWARDS):
+        rollouts = []
+        for index, reward in enumerate(rewards):
+            completion = 3 + rng.randrange(7)
+            rollouts.append(learner_pb2.Rollout(
+                sample_index=index, token_ids=[rng.randrange(256) for _ in range(4 + completion)],
+                loss_mask=[0] * 4 + [1] * completion,
+                rollout_logprobs=[0.0] * 4 + [-5.5 + rng.uniform(-0.5, 0.5) for _ in range(completion)],
+                version_spans=[common_pb2.VersionSpan(start=4, end=4 + completion, policy_version=version)],
+                reward=common_pb2.Reward(value=reward, status=common_pb2.REWARD_STATUS_SCORED), turns=1))
+        groups.append(learner_pb2.RolloutGroup(group_id=f"{prefix}{number}", env="toy", task_id="train/0",
+                                               rollouts=rollouts))
+    return groups
+
+
+async def train_steps(target: str, groups: list[learner_pb2.RolloutGroup]) -> list[learner_pb2.TrainStepResponse]:
+    """Send `groups` on one TrainStep stream, half-close it, and read it to its end; every event but
+    the receipts (all accepted)."""
+    async with make_channel(target) as channel:
+        call = learner_grpc.LearnerServiceStub(channel).TrainStep()
+        for group in groups:
+            await call.write(learner_pb2.TrainStepRequest(group=group))
+        await call.done_writing()
+        events = []
+        while (event := await asyncio.wait_for(call.read(), 120)) is not grpc.aio.EOF:
+            events.append(event)
+    assert all(e.receipt.accepted for e in events if e.WhichOneof("event") == "receipt"), events
+    return [e for e in events if e.WhichOneof("event") != "receipt"]
+
+
+def lose_rank_1(servers: RayServers) -> dict[str, Any]:
+    """Kill learner rank 1, then feed rank 0 a batch: what the engine and the client see."""
+    ray.kill(servers.followers[0], no_restart=True)
+    deadline = time.monotonic() + 60
+    while (failure := servers.failure()) is None:
+        assert time.monotonic() < deadline, "the engine did not see rank 1 gone within 60 s"
+        time.sleep(0.5)
+    events = asyncio.run(train_steps(servers.targets("learner")[0], rank_groups(version=2, prefix="late")[:2]))
+    return {"failure": failure, "events": events}
+
+
+def train_learner_on_ray(ranks: int, run_dir: Path, then: Callable[[RayServers], dict[str, Any]] | None = None,
+                         ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str], dict[str, Any]]:
+    """The learner alone, as `ranks` actors (one per node: STRICT_SPREAD), fed `rank_groups` over
+    TrainStep (two steps, a checkpoint after the second), then `then` (what it saw), then stopped:
+    its metrics lines, the weights of its step 2 checkpoint, each rank's node, what `then` saw."""
+    from safetensors.torch import load_file
+
+    from learner.checkpoint import latest_checkpoint as latest_trainer_checkpoint
+    from learner.server_config import LearnerServerConfig
+
+    settings = ClusterSettings(engine="ray", learner=LearnerResources(cpus=1, ranks=ranks),
+                               learner_strategy="STRICT_SPREAD", start_timeout_s=240, stop_timeout_s=60)
+    learner = LearnerServerConfig.model_validate({
+        "model": "tiny", "run_dir": str(run_dir), "batch_groups": 2, "torch_threads": 1, "checkpoint_every": 2,
+        # Two optimizer steps per batch: the pi_old pass and both steps run their collectives in step.
+        "grpo": {"lr": 1e-2, "mini_batches": 2, "micro_batch_tokens": 40}})
+    servers = RayServers(ray, settings, owns_ray=False, run_dir=run_dir)
+    try:
+        RayEngine(settings).start_learner(ray, servers, learner.model_dump(mode="json"), run_dir)
+        nodes = ray.get([actor.node_id.remote() for actor in servers.actors["learner"] + servers.followers],
+                        timeout=60)
+        events = asyncio.run(train_steps(servers.targets("learner")[0], rank_groups()))
+        assert [e.step.step for e in events] == [1, 2], events
+        assert servers.failure() is None
+        seen = then(servers) if then is not None else {}
+    finally:
+        servers.stop()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    checkpoint = latest_trainer_checkpoint(run_dir)
+    assert checkpoint is not None and checkpoint.name == "step_00000002", checkpoint
+    return metrics, load_file(str(checkpoint / "model.safetensors")), nodes, seen
+
+
+def test_two_learner_ranks_on_two_nodes_train_like_one(cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    """The learner's two FSDP2 ranks as actors on two nodes (gloo, rendezvous at rank 0's node IP),
+    rank 0 serving TrainStep to a real client: the same loss and gradient norm at each step and
+    the same weights after them as one rank (tolerances of tests/learner/test_fsdp2.py); rank 1
+    stops when rank 0 stops, after its final checkpoint."""
+    _, nodes = cluster
+    metrics, weights, placed, _ = train_learner_on_ray(2, tmp_path / "two")
+    assert len(set(placed)) == 2 and set(placed) <= {node.node_id for node in nodes.values()}, placed
+    expected_metrics, expected_weights, _, _ = train_learner_on_ray(1, tmp_path / "one")
+    figures = [[m["step"], m["loss"], m["grad_norm"], m["tokens"]] for m in metrics]
+    expected = [[m["step"], m["loss"], m["grad_norm"], m["tokens"]] for m in expected_metrics]
+    assert [f[0] for f in figures] == [1, 2]
+    torch.testing.assert_close(figures, expected, rtol=1e-5, atol=1e-7)
+    assert set(weights) == set(expected_weights)
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-3, atol=2e-4)
+    assert "final checkpoint" in (tmp_path / "two" / "learner.log").read_text()
+    assert "learner rank 1 stopped by rank 0" in (tmp_path / "two" / "learner-rank1.log").read_text()
+
+
+def test_a_lost_learner_rank_stops_the_run_with_one_line_and_rank_0_does_not_hang(
+        cluster: tuple[Any, dict[str, Any]], tmp_path: Path) -> None:
+    """Two learner ranks train two steps, then rank 1 is killed: the engine names it in one line
+    (the run's stop line), and rank 0's next step fails at once with one line instead of waiting
+    on the lost rank, its groups given back and at last given up."""
+    _, _, _, lost = train_learner_on_ray(2, tmp_path, then=lose_rank_1)
+    assert lost["failure"].startswith("learner rank 1 on Ray is gone for good: "), lost["failure"]
+    failures = [e.step_failure for e in lost["events"] if e.WhichOneof("event") == "step_failure"]
+    assert failures and all("train_step failed on rank 0 of 2 learner ranks" in f.error.message
+                            and "\n" not in f.error.message for f in failures), lost["events"]
+    assert sorted(failures[-1].abandoned_group_ids) == ["late0", "late1"], failures
 
 
 def lose_a_node_after(ray_cluster: Any, engine: PlacedEngine, role: str, by_id: dict[str, Any],

@@ -57,6 +57,10 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _shares(weights: dict[str, torch.Tensor], first: str, second: str) -> bool:
+    return weights[first].untyped_storage().data_ptr() == weights[second].untyped_storage().data_ptr()
+
+
 def test_two_fsdp2_ranks_match_one_process(tmp_path: Path) -> None:
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_worker, args=(rendezvous, str(tmp_path)), nprocs=WORLD_SIZE, join=True)
@@ -72,6 +76,11 @@ def test_two_fsdp2_ranks_match_one_process(tmp_path: Path) -> None:
     assert set(result["weights"]) == set(expected_weights)
     for name, value in expected_weights.items():
         torch.testing.assert_close(result["weights"][name], value, rtol=1e-3, atol=2e-4)
+    # Tied weights (the tiny model ties its embeddings to the LM head) are one tensor in a push,
+    # as in one process: a push sends each tensor once, and a policy server refuses a tied name
+    # sent apart (it is not a parameter of its model).
+    assert _shares(expected_weights, "lm_head.weight", "model.embed_tokens.weight")
+    assert _shares(result["weights"], "lm_head.weight", "model.embed_tokens.weight")
 
     # The checkpoint the two ranks wrote loads into a single process.
     restored = GRPOTrainer(tiny_model(seed=5), CONFIG)
