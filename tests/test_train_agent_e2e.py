@@ -70,7 +70,7 @@ def test_a_run_stopped_with_agent_programs_in_flight_ends_them_quietly(tmp_path:
     nothing to complain about after the summary."""
     marker = f"sciproto-test-agent-{tmp_path.name}"
     sleeper = f"{sys.executable} -c 'import time; time.sleep(600)' {marker}"
-    done = run_cli(f"run.dir={tmp_path}", "progress=false", "budget.max_seconds=30", "rollout.concurrency=32",
+    done = run_cli(f"run.dir={tmp_path}", "progress=false", "budget.max_seconds=20", "rollout.concurrency=32",
                    f"rollout.agent={{command: \"{sleeper}\", timeout_s: 300}}", timeout_s=200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "demo" / "summary.json").read_text())["stopped_by"] == "max_seconds"
