@@ -35,7 +35,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,28 +51,12 @@ WAIT_S = 10.0  # a follower waits for the next command this long at a time, then
 STOP = "stop"
 
 
-def _train_step(trainer: GRPOTrainer, groups: list) -> Any:
-    return trainer.train_step(groups)
-
-
-def _state_dict_for_push(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
-    return trainer.state_dict_for_push()
-
-
-def _save_checkpoint(trainer: GRPOTrainer, root: Path) -> Path:
-    return save_checkpoint(trainer, root)
-
-
-def _load_checkpoint(trainer: GRPOTrainer, path: Path) -> None:
-    load_checkpoint(trainer, path)
-
-
-# Every collective call a rank can be told to make, by name.
+# Every collective call a rank can be told to make, by name; each takes the trainer first.
 COMMANDS: dict[str, Callable[..., Any]] = {
-    "train_step": _train_step,
-    "state_dict_for_push": _state_dict_for_push,
-    "save_checkpoint": _save_checkpoint,
-    "load_checkpoint": _load_checkpoint,
+    "train_step": GRPOTrainer.train_step,
+    "state_dict_for_push": GRPOTrainer.state_dict_for_push,
+    "save_checkpoint": save_checkpoint,
+    "load_checkpoint": load_checkpoint,
 }
 
 
