@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -72,8 +73,16 @@ def test_ray_start_and_ray_job_submit_train_the_demo(tmp_path: Path) -> None:
     port, dashboard = free_port(), free_port()
     # As on a node whose venv is active: `ray` and `sciproto` on PATH (the job's entrypoint runs
     # with the environment of `ray start`). Loopback only: Ray takes 127.0.0.1 as the node's address.
+    # Token authentication on, with a token of this test's own, on every command (as the guide
+    # says): `ray start --head` turns it on by itself when ~/.ray/auth_token exists (any earlier
+    # ray.init() on the machine writes one), and `ray job submit` does not, so left to Ray the submit
+    # is refused with 401 on such a machine.
+    token = temp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env.pop("RAY_AUTH_TOKEN", None)
     groups: set[int] = set()
 
     def ray(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -101,7 +110,7 @@ def test_ray_start_and_ray_job_submit_train_the_demo(tmp_path: Path) -> None:
     assert [step["step"] for step in summary["steps"]] == [1, 2]
     # The guide gives the same commands (addresses, ports and sizes aside).
     guide = GUIDE.read_text()
-    for command in ("ray start --head --port", "ray start --address", "ray job submit --address http://127.0.0.1:",
+    for command in ("export RAY_AUTH_MODE=token", "export RAY_AUTH_TOKEN_PATH=", "ray start --head --port", "ray start --address", "ray job submit --address http://127.0.0.1:",
                     "--working-dir . -- sciproto train --config demo --cluster ray --set run.dir=",
                     *[f"--set {role}.server.allow_insecure_remote=true" for role in ("env", "policy", "learner")]):
         assert command in guide, command
