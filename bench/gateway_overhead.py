@@ -14,7 +14,7 @@ gateway's own cost, with next to no client work).
 Both sides send the same prompt, seed and max_tokens to the same policy server (`--model`, started
 here with `--threads` OMP threads), so they sample the same tokens.
 
-    python bench/gateway.py [--model tiny|smollm2] [--sessions 16] [--tokens 32] [--repeats 3] [--threads 1]
+    python bench/gateway_overhead.py [--model tiny|smollm2] [--sessions 16] [--tokens 32] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
