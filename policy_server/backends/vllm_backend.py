@@ -307,9 +307,14 @@ class VllmBackend:
         tokenizer, stop_ids, manifest = _model_facts(model, dtype, options.trust_remote_code)
         engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype, platform))
         engine = async_llm.AsyncLLM.from_engine_args(engine_args)
-        max_context = engine.model_config.max_model_len
-        return cls(engine, tokenizer, Path(model).name, dtype, options, manifest, stop_ids, max_context,
-                   platform=platform, collective=collective)
+        try:
+            return cls(engine, tokenizer, Path(model).name, dtype, options, manifest, stop_ids,
+                       engine.model_config.max_model_len, platform=platform, collective=collective)
+        finally:
+            # This frame outlives the call: the first import of vLLM above keeps tracebacks whose
+            # frames lead back here. Holding the engine, it would keep it past close(), and its
+            # __del__ would shut it down again at interpreter exit, where that fails.
+            del engine
 
     # -- PolicyBackend -------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -366,3 +367,34 @@ async def test_engine_update_failing_after_loading_began_serves_nothing_until_a_
     assert engine.info().unavailable == "" and engine.info().policy_version == new
     (after,), _ = await _run(engine, _greedy())
     assert after.logprobs == pytest.approx(_reference_logprobs(3, PROMPT, after.completion_token_ids), abs=1e-4)
+
+
+CLOSE_AND_EXIT = """
+import asyncio, gc, sys, weakref
+from policy_server.backends.vllm_backend import VllmBackend, VllmOptions
+
+async def main():
+    backend = VllmBackend.start(sys.argv[1], "float32", VllmOptions(enforce_eager=True, max_model_len=256,
+                                                                    kv_cache_bytes=64 * 2**20))
+    engine = weakref.ref(backend._engine)
+    await backend.close()
+    gc.collect()
+    print("engine alive after close:", engine() is not None)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_a_closed_engine_is_let_go_and_the_process_exits_quietly(model_dir, tmp_path):
+    """The first engine of a process (as in a policy server): after close nothing holds the engine,
+    so its own __del__ does not run again at interpreter exit, where it fails ("Exception ignored in
+    AsyncLLM.__del__ ... 'NoneType' object is not callable")."""
+    script = tmp_path / "close_and_exit.py"
+    script.write_text(CLOSE_AND_EXIT)
+    done = subprocess.run([sys.executable, str(script), str(model_dir)], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine alive after close: False" in done.stdout, done.stdout[-2000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
