@@ -25,6 +25,6 @@ def test_no_bench_script_is_named_like_a_package() -> None:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_bench_script_starts(script: str) -> None:
     done = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+                          timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower(), done.stdout[-500:]
