@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("env_servers.session")
 
+_ENDING: set[asyncio.Task[None]] = set()  # streams' endings under way (the loop keeps weak references)
+
 
 class EpisodeOperations(Protocol):
     """What a stream runs its operations on: the unary handlers of
@@ -109,9 +111,18 @@ class SessionStream:
         finally:
             for task in (reader, heartbeat, *self._running):
                 task.cancel()
-            await asyncio.gather(reader, heartbeat, *self._running, return_exceptions=True)
-            if self._opened:
-                await self.service.registry.close_all(list(self._opened))
+            # gRPC may cancel the handler again while it ends (about once in 300 cancelled
+            # streams): the ending runs in its own task, which a second cancel cannot cut short.
+            ending = asyncio.ensure_future(self._end([reader, heartbeat, *self._running]))
+            _ENDING.add(ending)
+            ending.add_done_callback(_ENDING.discard)
+            await asyncio.shield(ending)
+
+    async def _end(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait for the stream's cancelled tasks, then close the episodes it opened."""
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._opened:
+            await self.service.registry.close_all(list(self._opened))
 
     async def _read(self, requests: AsyncIterator[env_pb2.SessionRequest]) -> None:
         principal = current_principal()
