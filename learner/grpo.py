@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.config import GRPOConfig
+from learner.logprobs import token_logprobs
 from learner.types import RewardStatus, RolloutGroup, TrainSample
 
 
@@ -285,17 +286,10 @@ def token_logprobs_and_entropy(
     """log pi(y_t | y_<t) for t >= 1 and the policy entropy at each position (detached), of the
     policy sampled at `temperature`: pi = softmax(logits / T).
 
-    logits[:, t] predicts input_ids[:, t + 1]; computed in float32 whatever the model dtype.
+    logits[:, t] predicts input_ids[:, t + 1]; computed in float32 whatever the model dtype, a
+    chunk of positions at a time (learner/logprobs.py: no full-size float32 copies are kept).
     """
-    scaled = logits[:, :-1].float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    chosen = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        # H = -sum_v p_v log p_v
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return chosen, entropy
+    return token_logprobs(logits, input_ids[:, 1:], temperature)
 
 
 # Order of the summed statistics, so that ranks can all-reduce them as one tensor.

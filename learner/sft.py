@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from learner.grpo import TrainSequence
+from learner.logprobs import token_logprobs
 from learner.types import RewardStatus, RolloutGroup
 
 __all__ = ["SFT_STAT_NAMES", "sft_loss", "sft_sequences"]
@@ -54,12 +55,11 @@ def sft_loss(
     """
     if num_tokens <= 0:
         raise ValueError("sft_loss needs num_tokens > 0: the batch has no trained tokens")
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # log softmax(z_t)
     targets = input_ids[:, 1:]
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # log p_theta(y_t)
+    chosen, _ = token_logprobs(logits, targets)  # log p_theta(y_t), chunked (learner/logprobs.py)
     nll = -(chosen * loss_mask).sum()  # sum_t m_t (-log p_theta(y_t))
     loss = nll / num_tokens
     with torch.no_grad():
-        correct = ((log_probs.argmax(-1) == targets).float() * loss_mask).sum()
+        correct = ((logits[:, :-1].argmax(-1) == targets).float() * loss_mask).sum()
         sums = {"nll": nll.detach(), "correct": correct, "tokens": loss_mask.sum()}
     return loss, sums
