@@ -11,7 +11,8 @@ metrics.jsonl holds one JSON object per optimizer step, among them:
     groups settled since the previous step: groups_consumed, groups_dropped_stale (when this
     step took its batch), groups_refused_stale, groups_skipped_equal, groups_refused_invalid
     (on arrival); tokens_per_s_generation, tokens_per_s_training,
-    wait_rollouts_s, train_s, weight_sync_s, time_s (seconds since the learner started)
+    wait_rollouts_s, train_s, weight_sync_s, time_s (seconds since the learner started),
+    peak_rss_gb, peak_gpu_gb (the step's peak memory; learner/memory.py)
 
 A resumed run appends to the same file, so the plot covers the whole run, after cutting it back
 to where its checkpoint recorded the file ended (`truncate`): the lines of steps trained after

@@ -25,6 +25,7 @@ from learner.grpo import (
     split_mini_batches,
 )
 from learner.precision import autocast, fsdp_policy, prepare_model
+from learner.memory import StepMemory
 from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.sft import SFT_STAT_NAMES, sft_loss, sft_sequences
 from learner.types import Objective, RolloutGroup
@@ -92,6 +93,10 @@ class StepMetrics(BaseModel):
     # Context length of each policy turn of those samples (tokens before the turn's completion).
     prompt_tokens_per_turn_mean: float = 0.0
     prompt_tokens_per_turn_max: int = 0
+    # The step's peak memory in GB (learner/memory.py): the process's resident set (Linux) and
+    # torch's CUDA allocation; None where not measured.
+    peak_rss_gb: float | None = None
+    peak_gpu_gb: float | None = None
 
 
 def _advantage_and_turn_stats(advantages: list[float], turn_prompts: list[int]) -> dict[str, float]:
@@ -201,6 +206,19 @@ class GRPOTrainer:
         return autocast(self.config.precision, self.device.type, sharded=self.context.is_distributed)
 
     def train_step(self, groups: list[RolloutGroup]) -> StepMetrics:
+        """One batch of groups, GRPO (`grpo_step`) or SFT (`sft_step`), with the step's peak memory
+        measured and what it freed given back to the OS (learner/memory.py)."""
+        memory = StepMemory.start()
+        try:
+            if groups and all(g.objective is Objective.SFT for g in groups):
+                metrics = self.sft_step(groups)
+            else:
+                metrics = self.grpo_step(groups)
+        finally:
+            peaks = memory.finish()
+        return metrics.model_copy(update=peaks)
+
+    def grpo_step(self, groups: list[RolloutGroup]) -> StepMetrics:
         """One batch of groups: pi_old once, then K = `mini_batches` optimizer steps, one new policy
         version. Every rank must pass the same groups.
 
@@ -220,8 +238,6 @@ class GRPOTrainer:
         All or nothing: a batch that raises part-way leaves the weights, the AdamW state, `step`
         and `policy_version` as they were before it (`_Snapshot` says why).
         """
-        if groups and all(g.objective is Objective.SFT for g in groups):
-            return self.sft_step(groups)
         if any(g.objective is Objective.SFT for g in groups):
             raise ValueError("a batch mixes sft and grpo groups; the buffer hands out one objective per batch")
         config = self.config

@@ -149,8 +149,10 @@ async def test_groups_get_receipts_and_a_step_that_pushes_weights(
             "policy_lag_mean",
             "train_s",
             "weight_sync_s",
+            "peak_rss_gb",
         ):
             assert key in step.metrics
+        assert step.metrics["peak_rss_gb"] > 0.1 and "peak_gpu_gb" not in step.metrics  # no CUDA: not sent
         assert step.metrics["reward_mean"] == pytest.approx(0.425)
         await stream.close()
         assert await serving_version(policy) == version + 1
