@@ -84,7 +84,10 @@ def _demonstrations(path: Path) -> list[RolloutRecord]:
 
 
 def sft_groups(phases: Sequence[Phase], batch_groups: int, trained: Iterable[str] = ()) -> list[SFTGroup]:
-    """Every group of the sft phases, in order, without those in `trained` (a resumed run)."""
+    """Every group of the sft phases, in order, without those in `trained` (a resumed run), and
+    no more per phase than it has left: its steps x batch_groups less the groups trained in it.
+    A demonstrations file written again since (in another order) changes which records that is,
+    never how many: a finished phase stays finished."""
     done = set(trained)
     groups: list[SFTGroup] = []
     for number, phase in enumerate(phases):
@@ -93,9 +96,14 @@ def sft_groups(phases: Sequence[Phase], batch_groups: int, trained: Iterable[str
         assert phase.demonstrations is not None
         records = _demonstrations(phase.demonstrations)
         steps = phase.steps if phase.steps is not None else math.ceil(phase.epochs * len(records) / batch_groups)
+        prefix = f"sft{number}:"
+        left = steps * batch_groups - sum(1 for group_id in done if group_id.startswith(prefix))
         for k in range(steps * batch_groups):
+            if left <= 0:
+                break
             record = records[k % len(records)]
-            group_id = f"sft{number}:{record.group_id}#{k // len(records)}"
+            group_id = f"{prefix}{record.group_id}#{k // len(records)}"
             if group_id not in done:
                 groups.append(SFTGroup(phase=number, group_id=group_id, record=record))
+                left -= 1
     return groups
