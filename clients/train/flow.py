@@ -54,7 +54,8 @@ class GroupLedger:
         # Every fate recorded per group: one entry each, or the accounting is wrong.
         self.fates: dict[str, list[str]] = {}
         self.counts: Counter[str] = Counter()
-        self.since_step: Counter[str] = Counter()  # fates since the last step result
+        # Fates since the last step result, and the groups the learner accepted since then.
+        self.since_step: Counter[str] = Counter()
         self.resent = 0
 
     def add(self, request: learner_pb2.TrainStepRequest) -> None:
@@ -78,8 +79,9 @@ class GroupLedger:
         """(groups settled, whether to send the group again)."""
         group_id = receipt.group_id
         if receipt.accepted:
-            if group_id in self.unsettled:
+            if group_id in self.unsettled and group_id not in self.accepted:
                 self.accepted.add(group_id)
+                self.since_step["accepted"] += 1  # held for a step: not a fate, but it has signal
             return 0, False
         if receipt.reason == "busy":
             return 0, group_id in self.unsettled

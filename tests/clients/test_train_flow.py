@@ -74,6 +74,25 @@ def test_the_stall_notice_names_all_equal_groups_and_what_is_missing(
     assert "learner is unreachable since 5 s" in (progress.tick(status, now=40.0) or "")
 
 
+def test_groups_with_signal_since_the_last_step_keep_the_notice_from_saying_the_policy_answers_alike() -> None:
+    # Seen in a run: "2 of a batch of 4 in the learner; since the last step 2 groups all-equal ...;
+    # every group since the last step was all-equal" while the 2 the learner held had signal.
+    ledger = GroupLedger()
+    for name in ("a", "b", "c", "d"):
+        ledger.add(request(name))
+    ledger.on_step(learner_pb2.OptimizerStepResult())
+    for name in ("a", "b"):
+        ledger.on_receipt(receipt(name))
+    for name in ("c", "d"):
+        ledger.on_receipt(receipt(name, "no_signal"))
+    status = RunStatus(batch_groups=4, started=0.0, rollouts_finished=24, groups_in_learner=2,
+                       since_step=ledger.since_step)
+    cause = stall_cause(status, now=60.0)
+    assert "2 groups all-equal" in cause and "answers alike" not in cause, cause
+    ledger.on_receipt(receipt("a"))  # a receipt repeated (a resent copy) counts once
+    assert ledger.since_step["accepted"] == 2
+
+
 def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() -> None:
     status = RunStatus(batch_groups=4, started=100.0, rollouts_finished=40)
     line = Progress(total=200, enabled=False, max_seconds=1800).postfix(status, now=119.0)
