@@ -1,4 +1,4 @@
-"""The GRPO update of one batch of rollout groups, read top to bottom in `train_step`."""
+"""The GRPO update of one batch of rollout groups, read top to bottom in `grpo_step`."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from learner.grpo import (
     split_micro_batches,
     split_mini_batches,
 )
-from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.memory import StepMemory
+from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.sft import SFT_STAT_NAMES, sft_loss, sft_sequences
 from learner.types import Objective, RolloutGroup
