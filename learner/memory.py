@@ -5,7 +5,7 @@ mmap threshold (32 MB at most) are carved from the heap, and freeing them does n
 without a trim the process's resident memory after a step keeps most of the step's peak and
 creeps up from step to step (SmolLM2 on a CPU: 8.3, 10.7, 11.2 GB after three steps whose model
 and optimizer state need 2.7). `StepMemory.finish` asks glibc to return free heap pages
-(`malloc_trim`, about 5 ms here) and reports:
+(`malloc_trim`) and reports:
 
     peak_rss_gb   the process's peak resident memory during the step (Linux: VmHWM, restarted
                   at the step's start through /proc/self/clear_refs); None elsewhere
