@@ -10,6 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner.types import RewardStatus, RolloutGroup, TrainSample
 
 VOCAB = 300
+# StepMetrics fields measured, not computed: two runs of the same step differ in them.
+MEASURED = {"peak_rss_gb", "peak_gpu_gb"}
 
 
 def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
