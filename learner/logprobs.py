@@ -2,7 +2,7 @@
 
 The vocabulary makes the logits the largest tensor of a training step ([B, T, V], V = 49152 for
 SmolLM2: 0.2 MB per position in float32). Autograd through `log_softmax` keeps a float32 copy of
-it for the backward pass, and the entropy and temperature add more: about five copies. Here the
+it for the backward pass, and the entropy and temperature add more: about four copies in all. Here the
 forward pass keeps only the logits the model already holds; the float32 work runs over `chunk`
 positions at a time, and the backward pass recomputes each chunk's softmax:
 

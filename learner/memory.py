@@ -5,7 +5,7 @@ mmap threshold (32 MB at most) are carved from the heap, and freeing them does n
 without a trim the process's resident memory after a step keeps most of the step's peak and
 creeps up from step to step (SmolLM2 on a CPU: 8.3, 10.7, 11.2 GB after three steps whose model
 and optimizer state need 2.7). `StepMemory.finish` asks glibc to return free heap pages
-(`malloc_trim`) and reports:
+(`sciproto.memory.trim_heap`) and reports:
 
     peak_rss_gb   the process's peak resident memory during the step (Linux: VmHWM, restarted
                   at the step's start through /proc/self/clear_refs); None elsewhere
@@ -14,15 +14,14 @@ and optimizer state need 2.7). `StepMemory.finish` asks glibc to return free hea
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["StepMemory", "release_free_memory", "resident_gb"]
+from sciproto.memory import trim_heap
+
+__all__ = ["StepMemory", "resident_gb"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -41,22 +40,6 @@ def _status_gb(field: str) -> float | None:
 def resident_gb() -> float | None:
     """The process's resident memory now (Linux), in GB."""
     return _status_gb("VmRSS")
-
-
-@functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-
-
-def release_free_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _restart_peak() -> bool:
@@ -85,5 +68,5 @@ class StepMemory:
         """The step's peaks (see the module's docstring); then freed memory goes back to the OS."""
         peak_rss = _status_gb("VmHWM") if self.rss_peak_restarted else None
         peak_gpu = torch.cuda.max_memory_allocated() / 1e9 if self.cuda else None
-        release_free_memory()
+        trim_heap()
         return {"peak_rss_gb": peak_rss, "peak_gpu_gb": peak_gpu}

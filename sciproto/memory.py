@@ -4,7 +4,8 @@ CPython and the C allocator keep memory they have freed for reuse: after a thous
 come and gone, a server's resident size stays near its peak although nothing holds the objects.
 `release_freed_memory` collects garbage and asks glibc to trim its heaps (`malloc_trim`), so a
 server that is idle again is about as small as it started. Elsewhere than glibc only the
-collection runs.
+collection runs. `trim_heap` is the trim alone, for a hot loop that needs no collection (the
+learner after each step).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ctypes.util
 import gc
 from functools import cache
 
-__all__ = ["release_freed_memory"]
+__all__ = ["release_freed_memory", "trim_heap"]
 
 
 @cache
@@ -26,9 +27,14 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
         return None
 
 
-def release_freed_memory() -> None:
-    """A full garbage collection, then glibc's malloc_trim(0): freed memory goes back to the OS."""
-    gc.collect()
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): the heaps' free pages go back to the OS (a no-op elsewhere)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def release_freed_memory() -> None:
+    """A full garbage collection, then `trim_heap`: freed memory goes back to the OS."""
+    gc.collect()
+    trim_heap()
