@@ -15,18 +15,13 @@ form one `RolloutGroup`, the form `collect` writes and `TrainStep` takes.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import shlex
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
+from clients.agent_process import Launch
 from gateway.chat import Choice
 from gateway.local import LocalGateway
 from policy_server.convert import tool_spec
@@ -34,24 +29,10 @@ from sciproto.client.env import EnvClient
 from sciproto.client.rollouts import MessageRecord, RolloutGroup, TaskKey
 from sciproto.pb import common_pb2, env_pb2
 
-__all__ = ["AgentProgram", "EnvLease", "run_agent_group"]
+__all__ = ["EnvLease", "run_agent_group"]
 
 # An env server's client for the calls of one task (a Reset and its Close go to the same server).
 EnvLease = Callable[[], AbstractAsyncContextManager[EnvClient]]
-
-
-@dataclass(frozen=True)
-class AgentProgram:
-    """The command line of an agent program (shell words) and how long one run may take."""
-
-    command: str
-    timeout_s: float = 600.0
-
-    def argv(self) -> list[str]:
-        argv = shlex.split(self.command)
-        if not argv:
-            raise ValueError("the agent command is empty")
-        return argv
 
 
 def openai_message(message: common_pb2.ChatMessage) -> dict[str, Any]:
@@ -81,61 +62,16 @@ async def task_description(lease: EnvLease, task: TaskKey, options: Mapping[str,
                        "tools": [tool_spec(t, i) for i, t in enumerate(reset.tools)]})
 
 
-async def _run_program(program: AgentProgram, base_url: str, task_json: str) -> None:
-    """One run of the program; raises with the reason when it does not exit 0 in time. The
-    process never outlives this call (a cancelled run kills it and waits for it). Its stderr goes
-    to a file, not a pipe: a pipe's transport can still be open when the caller's event loop
-    closes right after a cancelled run, which asyncio reports as errors at exit."""
-    with tempfile.TemporaryFile() as stderr:
-        starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            *program.argv(), stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
-            env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json}))
-        try:
-            process = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us
-            with contextlib.suppress(Exception):
-                await _kill(await starting)
-            raise
-        try:
-            await asyncio.wait_for(process.wait(), program.timeout_s)
-        except TimeoutError:
-            raise RuntimeError(f"the agent ran past {program.timeout_s:.0f} s") from None
-        finally:
-            if process.returncode is None:
-                await _kill(process)
-        if process.returncode != 0:
-            raise RuntimeError(f"the agent exited {process.returncode}: {' | '.join(_last_lines(stderr, 3))}")
-
-
-async def _kill(process: asyncio.subprocess.Process, wait_s: float = 30.0) -> None:
-    """Kill `process` and wait (at most `wait_s`) until it has exited; a second cancellation does
-    not cut the wait short (a killed process exits at once)."""
-    process.kill()
-    loop = asyncio.get_running_loop()
-    waiting, deadline = asyncio.ensure_future(process.wait()), loop.time() + wait_s
-    while not waiting.done() and loop.time() < deadline:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({waiting}, timeout=deadline - loop.time())
-
-
-def _last_lines(file: IO[bytes], count: int, window: int = 8192) -> list[str]:
-    """The last `count` non-empty lines of `file` (read from its last `window` bytes)."""
-    size = file.seek(0, os.SEEK_END)
-    file.seek(max(0, size - window))
-    lines = file.read().decode(errors="replace").splitlines()
-    return [line for line in lines if line.strip()][-count:]
-
-
-async def run_agent_group(gateway: LocalGateway, lease: EnvLease, program: AgentProgram, task: TaskKey,
+async def run_agent_group(gateway: LocalGateway, lease: EnvLease, launch: Launch, task: TaskKey,
                           size: int, options: Mapping[str, str] | None = None) -> RolloutGroup:
-    """`size` runs of `program` on `task`, each graded by Verify, as one group. Groups of the same
-    task may run at once: each has a label of its own."""
+    """`size` runs of the program `launch` starts (clients.agent_process) on `task`, each graded by
+    Verify, as one group. Groups of the same task may run at once: each has a label of its own."""
     assert gateway.gateway is not None, "use LocalGateway in `async with`"
     store = gateway.gateway.store
     task_json = await task_description(lease, task, options)
 
     async def run(base_url: str) -> float:
-        await _run_program(program, base_url, task_json)
+        await launch({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sciproto", "SCIPROTO_TASK": task_json})
         session = store.sessions.get(base_url.rstrip("/").split("/")[-2])
         if session is None or not session.calls:
             raise RuntimeError("the agent exited without calling the model")

@@ -168,11 +168,14 @@ def agent_collect(
     group_size: Annotated[int, typer.Option(min=1, help="Runs per task (a GRPO group)")] = 2,
     out: Annotated[Path, typer.Option(help="Rollout JSONL file to append to")] = Path("agent_rollouts.jsonl"),
     timeout: Annotated[float, typer.Option(min=1, help="Seconds one run may take")] = 600.0,
+    preload: Annotated[list[str] | None, typer.Option(help="A Python module the agent imports, imported once in a "
+                                                      "fork server whose forks are the runs (repeatable; the command "
+                                                      "must be PYTHON SCRIPT [ARGS])")] = None,
 ) -> None:
     """Run an external OpenAI-API agent over an env's tasks through the gateway; write rollouts."""
     importlib.import_module("clients.agent_command").main(
         env_target=env, policy_target=policy, env=task_env, split=split, tasks=range(tasks), group_size=group_size,
-        command=command, out=out, timeout_s=timeout)
+        command=command, out=out, timeout_s=timeout, preload=tuple(preload or ()))
 
 
 @app.command()

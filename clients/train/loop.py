@@ -31,9 +31,10 @@ from typing import IO, Any
 import grpc
 
 from clients.agent import AgentSettings, env_pool, policy_pool
+from clients.agent_process import AgentProgram, AgentStartError, launcher
 from clients.collect import collect, collect_step_tasks, fork_mode, split_size, stream_runs
 from clients.curriculum import read_curriculum
-from clients.external_agent import AgentProgram, run_agent_group
+from clients.external_agent import run_agent_group
 from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
 from clients.train.engine import Role, ServerGone, Servers
@@ -203,31 +204,34 @@ async def run_rollouts_into_learner(
             a session of a gateway on the run's policy servers, graded by the env's Verify
             (clients.external_agent); the group goes to the learner like any other."""
             assert rollout.agent is not None
-            program = AgentProgram(rollout.agent.command, rollout.agent.timeout_s)
+            program = AgentProgram(rollout.agent.command, rollout.agent.timeout_s, tuple(rollout.agent.preload))
 
             @contextlib.asynccontextmanager
             async def lease() -> AsyncIterator[Any]:
                 async with env.lease() as replica:
                     yield replica.client
 
-            async with LocalGateway(policy_pool_targets()) as gateway:
-                groups = stream_runs(tasks(), max(1, rollout.concurrency // rollout.samples),
-                                     lambda task: run_agent_group(gateway, lease, program, task, rollout.samples,
-                                                                  rollout.options))
-                failed_groups, any_ran = 0, False  # groups in a row whose every run failed
-                async with contextlib.aclosing(groups):
-                    async for group in groups:
-                        deliver(group, rollouts_file, failures_file)
-                        if any(r.status is not RolloutStatus.INFRA_ERROR for r in group.rollouts):
-                            failed_groups, any_ran = 0, True
-                            continue
-                        failed_groups += 1
-                        if not any_ran and failed_groups >= AGENT_FAILED_GROUPS_BEFORE_STOP:
-                            # A command that never works (a missing script, a module its interpreter
-                            # lacks) would otherwise fill the run with refused groups to its budget.
-                            error = next((r.error for r in group.rollouts if r.error), "no run made a call")
-                            raise ConfigError(f"rollout.agent.command {rollout.agent.command!r} failed on "
-                                              f"every run of the first {failed_groups} groups: {error}")
+            try:
+                async with LocalGateway(policy_pool_targets()) as gateway, launcher(program) as launch:
+                    groups = stream_runs(tasks(), max(1, rollout.concurrency // rollout.samples),
+                                         lambda task: run_agent_group(gateway, lease, launch, task, rollout.samples,
+                                                                      rollout.options))
+                    failed_groups, any_ran = 0, False  # groups in a row whose every run failed
+                    async with contextlib.aclosing(groups):
+                        async for group in groups:
+                            deliver(group, rollouts_file, failures_file)
+                            if any(r.status is not RolloutStatus.INFRA_ERROR for r in group.rollouts):
+                                failed_groups, any_ran = 0, True
+                                continue
+                            failed_groups += 1
+                            if not any_ran and failed_groups >= AGENT_FAILED_GROUPS_BEFORE_STOP:
+                                # A command that never works (a missing script, a module its interpreter
+                                # lacks) would otherwise fill the run with refused groups to its budget.
+                                error = next((r.error for r in group.rollouts if r.error), "no run made a call")
+                                raise ConfigError(f"rollout.agent.command {rollout.agent.command!r} failed on "
+                                                  f"every run of the first {failed_groups} groups: {error}")
+            except AgentStartError as error:  # e.g. a preloaded module the command's interpreter lacks
+                raise ConfigError(f"rollout.agent: {error}") from None
 
         def policy_pool_targets() -> list[str]:
             return servers.targets("policy") if servers is not None else policy_targets

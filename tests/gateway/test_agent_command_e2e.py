@@ -20,7 +20,7 @@ def test_an_external_agent_collects_graded_groups(tiny_policy: ServerProcess, tm
         out = tmp_path / "rollouts.jsonl"
         done = subprocess.run(sciproto_command(
             "agent-collect", "--env", env.target, "--policy", tiny_policy.target, "--task-env", "toy",
-            "--tasks", "2", "--group-size", "2", "--out", str(out), "--timeout", "300",
+            "--tasks", "2", "--group-size", "2", "--out", str(out), "--timeout", "300", "--preload", "openai",
             "--command", f"{sys.executable} {AGENT}"), capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, done.stderr
         summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -51,5 +51,14 @@ def test_an_external_agent_collects_graded_groups(tiny_policy: ServerProcess, tm
         assert again.returncode == 1 and "no run was scored" in again.stderr
         assert json.loads(again.stdout.strip().splitlines()[-1])["records"] == 1
         assert len(list(read_rollouts(out))) == 5
+
+        # A module the agent's interpreter lacks: one line naming it, before any run.
+        missing = subprocess.run(sciproto_command(
+            "agent-collect", "--env", env.target, "--policy", tiny_policy.target, "--preload", "no_such_sdk",
+            "--out", str(tmp_path / "missing.jsonl"), "--command", f"{sys.executable} {AGENT}"),
+            capture_output=True, text=True, timeout=600, check=False)
+        assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+        assert "import no_such_sdk failed: ModuleNotFoundError" in missing.stderr, missing.stderr
+        assert not (tmp_path / "missing.jsonl").exists()
     finally:
         env.stop()
