@@ -44,6 +44,8 @@ class TrainSequence:
     advantage: float
     # [T] long: the policy version that sampled each trained token (-1 elsewhere); None: unknown.
     policy_versions: torch.Tensor | None = None
+    # Its group's place in the batch (-1: none): the packing keeps a group's sequences together.
+    group: int = -1
 
     @property
     def length(self) -> int:
@@ -132,13 +134,14 @@ def turn_prompt_lengths(sample: TrainSample) -> list[int]:
     return [t for t in range(1, len(mask)) if mask[t] == 1 and mask[t - 1] == 0]
 
 
-def _to_sequence(sample: TrainSample, advantage: float) -> TrainSequence:
+def _to_sequence(sample: TrainSample, advantage: float, group: int) -> TrainSequence:
     return TrainSequence(
         token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
         loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
         rollout_logprobs=torch.tensor(sample.rollout_logprobs, dtype=torch.float32),
         advantage=advantage,
         policy_versions=torch.tensor(sample.policy_versions, dtype=torch.long),
+        group=group,
     )
 
 
@@ -153,7 +156,7 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
     rewards: list[float] = []
     all_advantages: list[float] = []
     turn_prompts: list[int] = []
-    for group in groups:
+    for index, group in enumerate(groups):
         infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
         unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
         samples = scored_samples(group)
@@ -172,7 +175,7 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
             if sample.num_trained_tokens == 0:
                 continue  # nothing to train: it would only cost a forward pass
             parts = split_into_transitions(sample) if config.per_transition else [sample]
-            sequences.extend(_to_sequence(part, advantage) for part in parts)
+            sequences.extend(_to_sequence(part, advantage, index) for part in parts)
     num_tokens = int(sum(seq.loss_mask.sum().item() for seq in sequences))
     return BatchPlan(
         sequences=sequences,
@@ -211,29 +214,61 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differs[0]) if differs.numel() else n
 
 
+def micro_batch_positions(sequences: Sequence[TrainSequence], min_shared_prefix: int = 0) -> int:
+    """Token positions one micro-batch of `sequences` runs (see split_micro_batches)."""
+    longest = max(seq.length for seq in sequences)
+    shared = sequences[0].length
+    for seq in sequences[1:]:
+        shared = common_prefix_length(sequences[0].token_ids[:shared], seq.token_ids)
+    counted = shared if len(sequences) > 1 and 0 < min_shared_prefix <= shared else 0
+    return counted + len(sequences) * (longest - counted)
+
+
 def split_micro_batches(
     sequences: Sequence[TrainSequence], micro_batch_tokens: int, min_shared_prefix: int = 0
 ) -> list[list[TrainSequence]]:
-    """Greedy packing in order: each micro-batch keeps its token positions within the budget.
+    """Packing in order: each micro-batch keeps its token positions within the budget.
 
     Positions of B sequences padded to length T that share a prefix of P tokens, counted when
     P >= min_shared_prefix > 0 (learner/prefix.py runs it once):  P + B (T - P);  otherwise B T.
-    A sequence longer than the budget gets a micro-batch of its own.
+    With the prefix counted, a group's sequences (one prompt) go as a run, and a run joins the
+    micro-batch before it only when that costs no more positions than a micro-batch of its own:
+    two groups on different prompts share only what their prompts have in common, and every row
+    would run the rest of its prompt again. A sequence longer than the budget gets a micro-batch
+    of its own.
     """
+    runs: list[list[TrainSequence]] = []
+    for seq in sequences:
+        if runs and min_shared_prefix > 0 and seq.group >= 0 and runs[-1][-1].group == seq.group:
+            runs[-1].append(seq)
+        else:
+            runs.append([seq])
+    return _pack(runs, micro_batch_tokens, min_shared_prefix)
+
+
+def _pack(runs: list[list[TrainSequence]], budget: int, min_shared_prefix: int) -> list[list[TrainSequence]]:
+    """Greedy over runs (see split_micro_batches). Runs of one sequence have no prefix of their
+    own to lose and pack up to the budget, as do all runs when no prefix is counted. A run that
+    does not fit is packed on its own, sequence by sequence."""
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
-    longest = shared = 0
-    for seq in sequences:
+    grouped = False  # current holds a run of more than one sequence
+    for run in runs:
         if current:
-            new_longest = max(longest, seq.length)
-            new_shared = common_prefix_length(current[0].token_ids[:shared], seq.token_ids)
-            counted = new_shared if 0 < min_shared_prefix <= new_shared else 0
-            if counted + (len(current) + 1) * (new_longest - counted) <= micro_batch_tokens:
-                current.append(seq)
-                longest, shared = new_longest, new_shared
+            merged = micro_batch_positions([*current, *run], min_shared_prefix)
+            apart = micro_batch_positions(current, min_shared_prefix) + micro_batch_positions(run, min_shared_prefix)
+            if merged <= budget and (merged <= apart or min_shared_prefix <= 0 or not grouped and len(run) == 1):
+                current += run
+                grouped = grouped or len(run) > 1
                 continue
             batches.append(current)
-        current, longest, shared = [seq], seq.length, seq.length
+            current, grouped = [], False
+        for seq in run:
+            if current and micro_batch_positions([*current, seq], min_shared_prefix) > budget:
+                batches.append(current)
+                current = []
+            current.append(seq)
+        grouped = len(current) > 1
     if current:
         batches.append(current)
     return batches

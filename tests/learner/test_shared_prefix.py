@@ -9,15 +9,15 @@ import torch
 from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
 
 from learner.config import GRPOConfig
-from learner.grpo import TrainSequence, pad_right, split_micro_batches
+from learner.grpo import TrainSequence, micro_batch_positions, pad_right, split_micro_batches
 from learner.prefix import sequence_logprobs_and_entropy, shared_prefix_length, usable_shared_prefix
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup
 
 
-def sequence(ids: list[int]) -> TrainSequence:
+def sequence(ids: list[int], group: int = -1) -> TrainSequence:
     return TrainSequence(token_ids=torch.tensor(ids), loss_mask=torch.ones(len(ids)),
-                         rollout_logprobs=torch.zeros(len(ids)), advantage=0.0)
+                         rollout_logprobs=torch.zeros(len(ids)), advantage=0.0, group=group)
 
 
 def test_shared_prefix_length() -> None:
@@ -75,3 +75,25 @@ def test_packing_counts_a_shared_prefix_once() -> None:
     # A sequence of another prompt ends the shared run: it is counted in full again.
     other = sequence([rng.randrange(VOCAB) for _ in range(720)])
     assert [len(b) for b in split_micro_batches([*group, other], 4096, min_shared_prefix=16)] == [8, 1]
+
+
+def test_packing_keeps_each_group_on_its_own_prompt_when_that_costs_fewer_positions() -> None:
+    """Four groups of four 96-token samples, each group on its own 250-token prompt (a 50-token
+    system prompt, then its question). In one micro-batch they share only the system prompt:
+    50 + 16 x 296 positions. A micro-batch per group runs each prompt once: 4 x (250 + 4 x 96) =
+    2,536 positions, the fewest; the packing must not cost more."""
+    rng = random.Random(0)
+    system = [rng.randrange(VOCAB) for _ in range(50)]
+    groups = []
+    for index in range(4):
+        prompt = system + [rng.randrange(VOCAB) for _ in range(200)]
+        groups.append([sequence(prompt + [rng.randrange(VOCAB) for _ in range(96)], index) for _ in range(4)])
+    samples = [s for group in groups for s in group]
+    packed = split_micro_batches(samples, 4096, min_shared_prefix=16)
+    assert sum(micro_batch_positions(batch, 16) for batch in packed) <= 4 * (250 + 4 * 96), [len(b) for b in packed]
+    assert [len(b) for b in packed] == [4, 4, 4, 4]
+    # With the prefix not shared (min_shared_prefix 0) every position counts anyway: the budget alone packs.
+    assert [len(b) for b in split_micro_batches(samples, 4096, min_shared_prefix=0)] == [11, 5]
+    # Sequences of no group (demonstrations) still pack together up to the budget.
+    singles = [sequence(system + [rng.randrange(VOCAB) for _ in range(n)]) for n in (300, 200, 250, 400)]
+    assert [len(b) for b in split_micro_batches(singles, 4096, min_shared_prefix=16)] == [4]
