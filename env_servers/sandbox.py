@@ -15,6 +15,11 @@ certificate files, environment variables of the server, or network (a network na
 its own loopback) unless `network` is set. Namespaces come from bwrap (`--unshare-*`,
 `--die-with-parent`); this module writes no namespace or seccomp code of its own.
 
+bwrap ties the sandbox to the server's life only part way through its set-up, so a server killed
+in the first milliseconds of a start would leave that sandbox running. Each sandbox therefore gets
+the read end of a pipe whose write end only the server holds (its lifeline): the command checks it
+before it starts, and runs nothing if the server is gone by then; after that, bwrap's own ties hold.
+
 Limits are set inside the sandbox, just before the command starts, by a few lines of Python that
 call setrlimit and exec the command: address space (memory), CPU seconds, processes, file size,
 no core dumps. Where the server runs as root, the command also runs as a user id of its own,
@@ -119,18 +124,24 @@ def _namespace_flags(*, network: bool) -> list[str]:
     return [*flags, "--die-with-parent", "--hostname", "sandbox"]
 
 
-# Runs inside the sandbox as `python -I -S -c WRAPPER uid gid as cpu nproc fsize -- command...`:
-# sets the limits, drops to the sandbox's own user id where one was given, and execs the command.
+# Runs inside the sandbox as `python -I -S -c WRAPPER lifeline uid gid as cpu nproc fsize -- command...`:
+# ends at once if the server is gone (its end of the lifeline pipe is closed: the pipe reads as hung
+# up), sets the limits, drops to the sandbox's own user id where one was given, and execs the command.
 WRAPPER = """
-import os, resource, sys
-uid, gid, memory, cpu, nproc, fsize = (int(v) for v in sys.argv[1:7])
+import os, resource, select, sys
+lifeline, uid, gid, memory, cpu, nproc, fsize = (int(v) for v in sys.argv[1:8])
+alive = select.poll()
+alive.register(lifeline, select.POLLIN)
+if alive.poll(0):
+    os._exit(70)
+os.close(lifeline)
 if uid >= 0:
     os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
 for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
                      (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_FSIZE, fsize),
                      (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
-os.execv(sys.argv[8], sys.argv[8:])
+os.execv(sys.argv[9], sys.argv[9:])
 """
 
 
@@ -242,6 +253,14 @@ class SandboxedProcess:
                 await self._stderr_reader
 
 
+@functools.cache
+def _lifeline() -> int:
+    """The read end of this process's lifeline pipe (see the module's doc). The write end is
+    never written or closed: it closes when this process ends, however it ends."""
+    read, _write = os.pipe()  # both close-on-exec: no other program holds the write end
+    return read
+
+
 def _descendants(root: int) -> list[int]:
     """`root` and every process below it, by parent pid."""
     children: dict[int, list[int]] = {}
@@ -314,7 +333,7 @@ class Sandbox:
         for name, value in {**self._environment(), **(env or {})}.items():
             flags += ["--setenv", name, value]
         gid = self.uid
-        wrapper = [sandbox_python(), "-I", "-S", "-c", WRAPPER, str(self.uid), str(gid),
+        wrapper = [sandbox_python(), "-I", "-S", "-c", WRAPPER, str(_lifeline()), str(self.uid), str(gid),
                    str(limits.memory_mb << 20), str(limits.cpu_seconds), str(limits.max_processes),
                    str(limits.max_file_mb << 20), "--"]
         return [*flags, "--", *wrapper, *argv]
@@ -344,7 +363,7 @@ class Sandbox:
         process = await asyncio.create_subprocess_exec(
             *command, cwd=self.workspace, env=environment, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if keep_stderr else subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, pass_fds=(_lifeline(),) if self.bwrap is not None else ())
         started = SandboxedProcess(process, sandboxed=self.bwrap is not None)
         started.keep_stderr()
         return started

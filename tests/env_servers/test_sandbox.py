@@ -131,6 +131,51 @@ async def test_killing_a_sandbox_ends_every_process_in_it(workspace: Path) -> No
     assert left == []
 
 
+# Run as `python -c SPAWNER WORKSPACE DELAYS...`: for each delay, a forked process starts a sandbox
+# and SIGKILLs itself that many seconds later, before, during or after bwrap sets itself up.
+SPAWNER = """
+import asyncio, os, signal, sys
+from pathlib import Path
+from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
+
+async def start_then_die(workspace, delay):
+    sandbox = Sandbox(workspace, SandboxLimits())
+    await sandbox.start([sandbox_python(), "-c", "import time; time.sleep(120)"])
+    await asyncio.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+for i, delay in enumerate(sys.argv[2:]):
+    workspace = Path(sys.argv[1]) / f"try{i}"
+    workspace.mkdir()
+    child = os.fork()
+    if child == 0:
+        asyncio.run(start_then_die(workspace, float(delay)))
+    os.waitpid(child, 0)
+"""
+
+
+@needs_bwrap
+def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_of_it_running(workspace: Path) -> None:
+    """bwrap ties itself to its parent (--die-with-parent) only part way through its set-up; a
+    server SIGKILLed before then must not leave the sandbox running, at any moment of its start."""
+    delays = [i * 0.0005 for i in range(30)] + [0.015 + i * 0.003 for i in range(10)]
+    subprocess.run([sys.executable, "-c", SPAWNER, str(workspace), *map(str, delays)], check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 10
+    while (left := [pid for pid in _pids() if str(workspace) in _cmdline(pid) and _alive(pid)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, 9)
+    assert left == [], f"{len(left)} sandbox processes outlived the process that started them"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
