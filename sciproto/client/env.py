@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal, Self
@@ -49,6 +50,11 @@ SESSION_DRAIN_TIMEOUT_S = 10.0
 DEFAULT_TIMEOUT_S = 60.0
 # Most lost episodes (opened on a stream that ended, not closed since) a client remembers.
 MAX_LOST_EPISODES = 4096
+# Tries at a new shared stream whose connection turns out dead before the server sent anything on
+# it, and the pause before the next (times the try's number): gRPC may hand a new stream the
+# connection that has just closed, until it has seen that connection go.
+NEW_STREAM_ATTEMPTS = 3
+NEW_STREAM_BACKOFF_S = 0.05
 
 
 def _fresh_request_ids() -> None:
@@ -133,8 +139,12 @@ class EnvClient:
 
     - operations in flight on it fail with the error that ended it (UNAVAILABLE when the
       server died or the connection dropped), which callers retry within their bounds;
-    - the next operation opens a new stream (one open at a time; a failed open fails that
-      operation with its status, so the caller's bounded retries bound the re-opens);
+    - the next operation opens a new stream (one open at a time). A new stream that ends
+      UNAVAILABLE before the server has sent anything on it (gRPC may give it the connection
+      that has just closed) is opened again, NEW_STREAM_ATTEMPTS times at most, within the
+      operation's timeout: no episode of it can be lost, and a Step retried carries its
+      request_id. Any other failed open fails the operation with its status, so the caller's
+      bounded retries bound the re-opens;
     - an episode opened on the ended stream is lost: the server has closed it. Every later
       operation on it raises the stream's error at once (the same class, so a dead server is
       reported as UNAVAILABLE exactly as over unary calls, and the agent starts the episode
@@ -198,10 +208,21 @@ class EnvClient:
 
     async def _on_stream(self, request: env_pb2.SessionRequest, request_id: str,
                          timeout: float | None) -> env_pb2.SessionResponse:
-        stream = self._stream
-        if stream is None or stream.failure is not None:
-            stream = await self._live_stream()
-        return await stream.run(request, request_id, timeout)
+        deadline = time.monotonic() + (timeout or self.default_timeout_s)
+        attempt = 1
+        while True:
+            stream = self._stream
+            if stream is None or stream.failure is not None:
+                stream = await self._live_stream()
+            try:
+                return await stream.run(request, request_id, max(deadline - time.monotonic(), 0.001))
+            except Unavailable:
+                # Nothing came back on it: the stream never reached a live server (and the
+                # server closes whatever it may have opened on it).
+                if stream.received or attempt >= NEW_STREAM_ATTEMPTS or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(NEW_STREAM_BACKOFF_S * attempt)
+            attempt += 1
 
     async def _live_stream(self) -> EnvSession:
         if self._closed:
@@ -329,6 +350,7 @@ class EnvSession:
         self._slots = slots
         self._on_end = on_end
         self.failure: SciprotoError | None = None
+        self.received = 0  # messages the server has sent on this stream (heartbeats too)
         self._reader = asyncio.ensure_future(self._read())
 
     async def reset(self, env: str, *, split: str | None = None, index: int | None = None,
@@ -410,6 +432,7 @@ class EnvSession:
     async def _read(self) -> None:
         try:
             async for answer in self._call:
+                self.received += 1
                 result = answer.WhichOneof("result")
                 if result == "heartbeat":
                     self.last_heartbeat = answer

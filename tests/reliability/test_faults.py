@@ -331,6 +331,24 @@ async def test_dropped_connection_loses_the_streams_episodes_and_the_next_call_o
         assert proxy.connections == 2
 
 
+
+async def test_the_first_call_after_each_dropped_connection_opens_a_new_stream(notebook_server: ServerProcess) -> None:
+    """Right after a cut, gRPC may still hand a new stream to the connection that just closed: that
+    stream fails before anything reaches the server. The client opens another (bounded), so a
+    Reset made at once after a drop works, every time."""
+    async with DroppingProxy(notebook_server.target) as proxy, \
+            EnvClient(ChannelConfig(target=proxy.target, max_attempts=1)) as client:
+        for _ in range(12):
+            reset = await client.reset("notebook", split="test", index=1, timeout=60)
+            step = asyncio.ensure_future(client.step(reset.episode_id, edit_cell("import time\ntime.sleep(2)"),
+                                                     timeout=60))
+            await asyncio.sleep(0.3)
+            proxy.drop()
+            with pytest.raises(Unavailable):
+                await step
+        assert (await client.close((await client.reset("notebook", split="test", index=1, timeout=60)).episode_id)).closed
+        assert proxy.connections == 13
+
 async def test_env_server_killed_mid_step_is_unavailable_and_a_restarted_one_serves_the_same_client() -> None:
     """A server that dies (SIGKILL) under a step on the shared stream: the step fails with
     UNAVAILABLE at once, as over unary calls, so the agent marks the replica down and starts the
