@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shlex
 import tempfile
@@ -23,11 +24,16 @@ from typing import IO, Any, Self
 
 __all__ = ["AgentProgram", "AgentStartError", "Launch", "launcher"]
 
+log = logging.getLogger(__name__)
+
 ZYGOTE = Path(__file__).with_name("agent_zygote.py")
 # A fork server that exits is started again, at most this many times in all; past that its runs fail.
 FORK_SERVER_RESTARTS = 3
 FORK_SERVER_READY_S = 120.0  # its imports may be slow on a loaded machine
 KILL_WAIT_S = 30.0
+# A run that imports at least this many modules the fork server had not imported is worth a
+# warning (once): every run pays for those imports again.
+LATE_IMPORTS_WARNING = 20
 
 # One run: (the environment added to this process's, a label for errors) -> None; raises on failure.
 Launch = Callable[[Mapping[str, str]], Awaitable[None]]
@@ -133,6 +139,9 @@ class ForkServer:
         self._starts = 0
         self._lock = asyncio.Lock()
         self._closed = False
+        # Modules runs imported after the fork (not inside another such module) -> how many runs did.
+        self.late_imports: dict[str, int] = {}
+        self._warned = False
 
     async def __aenter__(self) -> Self:
         await self._ensure_started()  # a program that cannot start fails here, once, with its reason
@@ -179,6 +188,9 @@ class ForkServer:
         try:
             while line := await process.stdout.readline():
                 message = _message(line)
+                if "imported" in message:
+                    self._imported_late(int(message["count"]), message["modules"])
+                    continue
                 future = self._runs.get(message.get("exited", -1))
                 if future is not None and not future.done():
                     future.set_result(int(message["code"]))
@@ -188,6 +200,15 @@ class ForkServer:
                 if not future.done():
                     future.set_exception(RuntimeError(f"the agent fork server exited during the run: "
                                                       f"{reason or 'no reason given'}"))
+
+    def _imported_late(self, count: int, modules: list[str]) -> None:
+        for module in modules:
+            self.late_imports[module] = self.late_imports.get(module, 0) + 1
+        if count >= LATE_IMPORTS_WARNING and not self._warned:
+            self._warned = True
+            log.warning("a run of the agent imported %d modules after the fork that preload had not (%s): add them to "
+                        "preload (rollout.agent.preload, or agent-collect --preload) to import them once",
+                        count, ", ".join(modules) or "too many to name")
 
     async def run(self, env: Mapping[str, str]) -> None:
         process = await self._ensure_started()

@@ -1,6 +1,6 @@
 """A fork server for Python agent programs: it imports the modules the agent needs once, then
 forks one child per run, so a run costs a fork instead of a new interpreter and its imports
-(`import openai` alone is about 1 s of CPU). clients.agent_forkserver starts it with the agent's own
+(`import openai` alone is about 1 s of CPU). clients.agent_process starts it with the agent's own
 interpreter, by path; it imports nothing but the standard library, so that interpreter needs no
 sciproto.
 
@@ -16,24 +16,34 @@ and exits 1). It reads
     {"kill": ID}
 
 and writes {"started": ID, "pid": PID} after each fork and {"exited": ID, "code": CODE} when that
-child ends (CODE < 0: killed by signal -CODE). A child runs the script as `__main__` with exactly
-`env` as its environment, stdin and stdout on /dev/null and stderr to PATH; it dies with SIGKILL if
-this server dies. When its stdin closes (its parent is gone or done) the server kills every child it
-has, reaps them, and exits.
+child ends (CODE < 0: killed by signal -CODE). A child that imported modules this server had not
+(a lazy import the preload missed: each run pays for it again) says so before it ends, naming the
+first few that are not inside another of them (`openai.resources`, not its hundreds of submodules):
+
+    {"imported": ID, "count": N, "modules": ["package.lazy_part", ...]}
+
+A child runs the script as `__main__` with exactly `env` as its environment, stdin and stdout on
+/dev/null and stderr to PATH; it dies with SIGKILL if this server dies. When its stdin closes (its
+parent is gone or done) the server kills every child it has, reaps them, and exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import json
 import os
+import pkgutil  # noqa: F401 - runpy.run_path imports it (and typing, weakref) on first use: once, here
+import runpy
 import select
 import signal
 import sys
 import traceback
 
 PR_SET_PDEATHSIG = 1
+REPORTED_MODULES = 12  # names in an "imported" message (its line stays one atomic pipe write)
 
 
 def _die_with_parent() -> None:
@@ -44,14 +54,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(request: dict, wakeup: tuple[int, int]) -> None:
+def _child(request: dict, wakeup: tuple[int, int], imports: tuple[int, int]) -> None:
     """In the forked child: become the run, then exit with its status (never returns)."""
     code = 1
+    preloaded = set(sys.modules)
     try:
         _die_with_parent()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in wakeup:
+        for fd in (*wakeup, imports[0]):
             os.close(fd)
         null = os.open(os.devnull, os.O_RDWR)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -64,8 +75,6 @@ def _child(request: dict, wakeup: tuple[int, int]) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         argv = request["argv"]
-        import runpy
-
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -81,13 +90,25 @@ def _child(request: dict, wakeup: tuple[int, int]) -> None:
         traceback.print_exc()
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            _report_imports(imports[1], request["run"], [name for name in sys.modules if name not in preloaded])
         finally:
             os._exit(code & 0xFF)
+
+
+def _report_imports(fd: int, run: object, late: list[str]) -> None:
+    """Tell the server (through the pipe `fd`) which modules this run imported after the fork, in
+    the order their imports began: the first is what the script imported, the rest what that pulled in."""
+    if not late:
+        return
+    within = set(late)
+    roots = [name for name in late if name.rpartition(".")[0] not in within][:REPORTED_MODULES]
+    line = json.dumps({"imported": run, "count": len(late), "modules": roots}).encode() + b"\n"
+    if len(line) > select.PIPE_BUF:
+        line = json.dumps({"imported": run, "count": len(late), "modules": []}).encode() + b"\n"
+    os.write(fd, line)
 
 
 def serve(modules: list[str]) -> int:
@@ -106,6 +127,8 @@ def serve(modules: list[str]) -> int:
     wakeup = os.pipe()
     for fd in wakeup:
         os.set_blocking(fd, False)
+    imports = os.pipe()  # children write their "imported" lines here; this loop passes them on
+    os.set_blocking(imports[0], False)
     signal.set_wakeup_fd(wakeup[1])
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, object] = {}  # pid -> run id
@@ -123,10 +146,17 @@ def serve(modules: list[str]) -> int:
             if run is not None:
                 say({"exited": run, "code": os.waitstatus_to_exitcode(status)})
 
-    stdin, pending = sys.stdin.buffer.raw, b""
+    stdin, pending, reported = sys.stdin.buffer.raw, b"", b""
     try:
         while True:
-            ready, _, _ = select.select([stdin, wakeup[0]], [], [])
+            ready, _, _ = select.select([stdin, wakeup[0], imports[0]], [], [])
+            if imports[0] in ready:
+                with contextlib.suppress(BlockingIOError):  # nothing more to read now
+                    reported += os.read(imports[0], 65536)
+                *lines, reported = reported.split(b"\n")
+                for line in lines:
+                    out.write(line.decode() + "\n")
+                out.flush()
             if wakeup[0] in ready:
                 while True:
                     try:
@@ -154,7 +184,7 @@ def serve(modules: list[str]) -> int:
                 out.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, wakeup)
+                    _child(request, wakeup, imports)
                 children[pid] = request["run"]
                 say({"started": request["run"], "pid": pid})
             reap()

@@ -24,7 +24,7 @@ def test_an_external_agent_trains_to_the_demos_target(tmp_path: Path) -> None:
     """The demo as it ships (16 groups of 8 a step, target 0.9 over 3 steps), played by the
     example agent program: 128 runs a step, each a fork of a fork server that imported the openai
     SDK once (`preload`)."""
-    agent = f"rollout.agent={{command: '{sys.executable} {AGENT}', timeout_s: 120, preload: [openai]}}"
+    agent = f"rollout.agent={{command: '{sys.executable} {AGENT}', timeout_s: 120, preload: [openai, openai.resources, httpcore]}}"
     done = run_cli(f"run.dir={tmp_path}", "run.name=agent", "progress=false", "budget.max_seconds=1200", agent,
                    timeout_s=1400)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -132,6 +133,30 @@ def test_the_fork_server_imports_once_and_stops_with_its_runs(tmp_path: Path) ->
     zygote, child = asyncio.run(main())
     assert gone(zygote) and gone(child)
 
+
+
+def test_what_runs_import_after_the_fork_is_reported_with_the_modules_to_preload(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A package that imports its parts lazily (openai's API resources, on a client's first use)
+    is not all preloaded by importing it: each run would import the rest again. The fork server
+    says what runs imported after the fork, and the launcher warns once with the modules to add."""
+    script = tmp_path / "agent.py"
+    script.write_text("import email.mime.text\n")
+
+    async def late_imports(preload: tuple[str, ...]) -> dict[str, int]:
+        async with ForkServer(AgentProgram(f"{sys.executable} {script}", 60, preload)) as server:
+            await server.run({})
+            await server.run({})
+            deadline = time.monotonic() + 10  # the report and the exit come on different pipes
+            while sum(server.late_imports.values()) < 2 * (preload == ("json",)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return server.late_imports
+
+    with caplog.at_level(logging.WARNING, logger="clients.agent_process"):
+        assert asyncio.run(late_imports(("json",)))["email"] == 2
+    warnings = [record.getMessage() for record in caplog.records if "preload" in record.getMessage()]
+    assert len(warnings) == 1 and "(email" in warnings[0] and "add them to preload" in warnings[0], warnings
+    assert "email" not in asyncio.run(late_imports(("json", "email.mime.text")))
 
 def test_a_run_dies_with_the_fork_server_and_the_next_run_starts_a_new_one(tmp_path: Path) -> None:
     async def main() -> tuple[int, int, int]:
