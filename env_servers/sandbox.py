@@ -19,6 +19,8 @@ bwrap ties the sandbox to the server's life only part way through its set-up, so
 in the first milliseconds of a start would leave that sandbox running. Each sandbox therefore gets
 the read end of a pipe whose write end only the server holds (its lifeline): the command checks it
 before it starts, and runs nothing if the server is gone by then; after that, bwrap's own ties hold.
+Without a sandbox (mode "none") the command is tied to the server by the same check and a parent
+death signal set just before it.
 
 Limits are set inside the sandbox, just before the command starts, by a few lines of Python that
 call setrlimit and exec the command: address space (memory), CPU seconds, processes, file size,
@@ -124,17 +126,23 @@ def _namespace_flags(*, network: bool) -> list[str]:
     return [*flags, "--die-with-parent", "--hostname", "sandbox"]
 
 
-# Runs inside the sandbox as `python -I -S -c WRAPPER lifeline uid gid as cpu nproc fsize -- command...`:
-# ends at once if the server is gone (its end of the lifeline pipe is closed: the pipe reads as hung
-# up), sets the limits, drops to the sandbox's own user id where one was given, and execs the command.
-WRAPPER = """
-import os, resource, select, sys
-lifeline, uid, gid, memory, cpu, nproc, fsize = (int(v) for v in sys.argv[1:8])
+# The first lines of both wrappers below, run as `python -I -S -c WRAPPER lifeline ...`: end at once
+# if the server is gone (its end of the lifeline pipe is closed: the pipe reads as hung up).
+_LIFELINE_CHECK = """
+import os, select, sys
 alive = select.poll()
-alive.register(lifeline, select.POLLIN)
+alive.register(int(sys.argv[1]), select.POLLIN)
 if alive.poll(0):
     os._exit(70)
-os.close(lifeline)
+os.close(int(sys.argv[1]))
+"""
+
+# Runs inside the sandbox as `python -I -S -c WRAPPER lifeline uid gid as cpu nproc fsize -- command...`:
+# the lifeline check, then the limits, then the sandbox's own user id where one was given; then it
+# execs the command.
+WRAPPER = _LIFELINE_CHECK + """
+import resource
+uid, gid, memory, cpu, nproc, fsize = (int(v) for v in sys.argv[2:8])
 if uid >= 0:
     os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
 for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
@@ -142,6 +150,16 @@ for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
                      (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
 os.execv(sys.argv[9], sys.argv[9:])
+"""
+
+# Runs a command without a sandbox (mode "none") as `python -I -S -c UNSANDBOXED lifeline -- command...`:
+# the command gets SIGKILL when the server ends (PR_SET_PDEATHSIG, kept across exec), set before the
+# lifeline check so that no moment is left between them, then execs. bwrap does the same for a sandbox.
+UNSANDBOXED = """
+import ctypes, signal
+ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+""" + _LIFELINE_CHECK + """
+os.execv(sys.argv[3], sys.argv[3:])
 """
 
 
@@ -316,9 +334,10 @@ class Sandbox:
             _chown_tree(self.workspace, self.uid)
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
-        """The full command line that runs `argv` in this sandbox (mode "none": `argv` itself)."""
+        """The full command line that runs `argv` in this sandbox (mode "none": `argv` tied to the
+        server's life, and nothing else)."""
         if self.bwrap is None:
-            return list(argv)
+            return [sandbox_python(), "-I", "-S", "-c", UNSANDBOXED, str(_lifeline()), "--", *argv]
         limits = self.limits
         flags = [self.bwrap, *_namespace_flags(network=limits.network)]
         # The private /tmp first, then what is bound into the sandbox: a Python installation or
@@ -363,7 +382,7 @@ class Sandbox:
         process = await asyncio.create_subprocess_exec(
             *command, cwd=self.workspace, env=environment, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if keep_stderr else subprocess.DEVNULL,
-            start_new_session=True, pass_fds=(_lifeline(),) if self.bwrap is not None else ())
+            start_new_session=True, pass_fds=(_lifeline(),))
         started = SandboxedProcess(process, sandboxed=self.bwrap is not None)
         started.keep_stderr()
         return started

@@ -131,21 +131,21 @@ async def test_killing_a_sandbox_ends_every_process_in_it(workspace: Path) -> No
     assert left == []
 
 
-# Run as `python -c SPAWNER WORKSPACE DELAYS...`: for each delay, a forked process starts a sandbox
-# and SIGKILLs itself that many seconds later, before, during or after bwrap sets itself up.
+# Run as `python -c SPAWNER MODE WORKSPACE DELAYS...`: for each delay, a forked process starts a
+# sandbox and SIGKILLs itself that many seconds later, before, during or after bwrap sets itself up.
 SPAWNER = """
 import asyncio, os, signal, sys
 from pathlib import Path
 from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
 
 async def start_then_die(workspace, delay):
-    sandbox = Sandbox(workspace, SandboxLimits())
+    sandbox = Sandbox(workspace, SandboxLimits(), sys.argv[1])
     await sandbox.start([sandbox_python(), "-c", "import time; time.sleep(120)"])
     await asyncio.sleep(delay)
     os.kill(os.getpid(), signal.SIGKILL)
 
-for i, delay in enumerate(sys.argv[2:]):
-    workspace = Path(sys.argv[1]) / f"try{i}"
+for i, delay in enumerate(sys.argv[3:]):
+    workspace = Path(sys.argv[2]) / f"try{i}"
     workspace.mkdir()
     child = os.fork()
     if child == 0:
@@ -154,16 +154,20 @@ for i, delay in enumerate(sys.argv[2:]):
 """
 
 
-@needs_bwrap
-def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_of_it_running(workspace: Path) -> None:
-    """bwrap ties itself to its parent (--die-with-parent) only part way through its set-up; a
-    server SIGKILLed before then must not leave the sandbox running, at any moment of its start."""
-    delays = [i * 0.0005 for i in range(30)] + [0.015 + i * 0.003 for i in range(10)]
-    subprocess.run([sys.executable, "-c", SPAWNER, str(workspace), *map(str, delays)], check=True, timeout=120,
-                   cwd=Path(__file__).resolve().parents[2])
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_of_it_running(workspace: Path, mode: str) -> None:
+    """bwrap ties itself to its parent (--die-with-parent) only part way through its set-up, and
+    an unsandboxed command not at all; a server SIGKILLed at any moment of a start, or after it,
+    must not leave the command running."""
+    delays = [i * 0.0005 for i in range(30)] + [0.015 + i * 0.003 for i in range(10)] + [0.5]
+    subprocess.run([sys.executable, "-c", SPAWNER, mode, str(workspace), *map(str, delays)], check=True,
+                   timeout=120, cwd=Path(__file__).resolve().parents[2])
+
+    def inside(pid: int) -> bool:
+        return str(workspace) in _cmdline(pid) or (_cwd(pid) or "").startswith(str(workspace))
+
     deadline = time.monotonic() + 10
-    while (left := [pid for pid in _pids() if str(workspace) in _cmdline(pid) and _alive(pid)]) \
-            and time.monotonic() < deadline:
+    while (left := [pid for pid in _pids() if inside(pid) and _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in left:
         os.kill(pid, 9)
