@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
 
-__all__ = ["AgentProgram", "AgentStartError", "Launch", "launcher"]
+__all__ = ["AgentProgram", "AgentStartError", "Launch", "check_preload", "launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ async def launcher(program: AgentProgram) -> AsyncIterator[Launch]:
         return
     async with ForkServer(program) as server:
         yield server.run
+
+
+async def check_preload(program: AgentProgram) -> None:
+    """Start `program`'s fork server and stop it: raises AgentStartError, with the reason, where
+    its interpreter cannot import the preload (checked before a run starts anything else)."""
+    if program.preload:
+        async with ForkServer(program):
+            pass
 
 
 async def _spawn(program: AgentProgram, env: Mapping[str, str]) -> None:

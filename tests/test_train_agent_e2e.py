@@ -67,6 +67,16 @@ def test_an_agent_program_that_fails_every_run_stops_the_run_with_its_error(tmp_
     assert "failed on every run" in done.stderr and "no_such_agent.py" in done.stderr, done.stderr[-3000:]
 
 
+
+def test_a_preload_module_the_interpreter_lacks_stops_the_run_with_the_import_error(tmp_path: Path) -> None:
+    done = run_cli(f"run.dir={tmp_path}", "progress=false", "budget.max_seconds=120",
+                   f"rollout.agent={{command: '{sys.executable} {AGENT}', preload: [openai, no_such_sdk]}}",
+                   timeout_s=200)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "import no_such_sdk failed: ModuleNotFoundError" in done.stderr, done.stderr[-3000:]
+    assert len([line for line in done.stderr.splitlines() if "error" in line.lower()]) <= 2, done.stderr[-3000:]
+    assert not (tmp_path / "demo").exists()  # refused before the run's directory and servers
+
 def test_a_run_stopped_with_agent_programs_in_flight_ends_them_quietly(tmp_path: Path) -> None:
     """The time budget ends a run whose agent programs are all still running: each is killed and
     waited for before the run's event loop closes, so nothing is left running and asyncio has

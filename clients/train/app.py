@@ -11,7 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from clients.train.config import TrainConfig, check_envs, load_train_config
+from clients.agent_process import AgentProgram, AgentStartError, check_preload
+from clients.train.config import AgentCommand, TrainConfig, check_envs, load_train_config
 from clients.train.display import Progress
 from clients.train.engine import Engine, Servers, engine_for
 from clients.train.loop import run_rollouts_into_learner
@@ -88,11 +89,23 @@ async def _train_async(
     return outcome
 
 
+def check_agent_preload(agent: AgentCommand | None) -> None:
+    """Refuse, before any server starts, a preload the agent's interpreter cannot import (it costs
+    a start of the fork server: the preload's import time)."""
+    if agent is None or not agent.preload:
+        return
+    try:
+        asyncio.run(check_preload(AgentProgram(agent.command, agent.timeout_s, tuple(agent.preload))))
+    except AgentStartError as error:
+        raise ConfigError(f"rollout.agent: {error}") from None
+
+
 def main(config: str | None, overrides: list[str]) -> TrainOutcome:
     """`sciproto train`: see the module docstring."""
     try:
         settings = load_train_config(config or "demo", overrides)
         check_envs(settings.env.envs)
+        check_agent_preload(settings.rollout.agent)
     except ConfigError as error:
         raise SystemExit(f"sciproto train: {error}") from None
     outcome = train(settings)
