@@ -147,7 +147,7 @@ class ForkServer:
         self._starts = 0
         self._lock = asyncio.Lock()
         self._closed = False
-        # Modules runs imported after the fork (not inside another such module) -> how many runs did.
+        # Modules runs imported after the fork (the first few a run names, none inside another) -> how many runs did.
         self.late_imports: dict[str, int] = {}
         self._warned = False
 

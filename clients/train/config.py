@@ -84,10 +84,11 @@ class AgentCommand(BaseModel):
     preload: list[str] = Field(
         default_factory=list,
         description=(
-            "Python modules the program imports (e.g. [openai]), imported once in a fork server started with the"
-            " command's interpreter: each run is then a fork of it that runs the script, not a new interpreter"
-            " (`import openai` alone is about 1 s of CPU). The command must be `PYTHON SCRIPT [ARGS]` or"
-            " `PYTHON -m MODULE [ARGS]`"
+            "Python modules the program imports (e.g. [openai, openai.resources, httpcore]: a package's lazily"
+            " imported parts are named too), imported once in a fork server started with the command's"
+            " interpreter: each run is then a fork of it that runs the script, not a new interpreter (`import"
+            " openai` alone is about 1 s of CPU). A run that imports 20 or more modules after the fork gets a"
+            " warning naming them. The command must be `PYTHON SCRIPT [ARGS]` or `PYTHON -m MODULE [ARGS]`"
         ),
     )
 
