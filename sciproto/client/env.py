@@ -140,11 +140,11 @@ class EnvClient:
     - operations in flight on it fail with the error that ended it (UNAVAILABLE when the
       server died or the connection dropped), which callers retry within their bounds;
     - the next operation opens a new stream (one open at a time). A new stream that ends
-      UNAVAILABLE before the server has sent anything on it (gRPC may give it the connection
-      that has just closed) is opened again, NEW_STREAM_ATTEMPTS times at most, within the
-      operation's timeout: no episode of it can be lost, and a Step retried carries its
-      request_id. Any other failed open fails the operation with its status, so the caller's
-      bounded retries bound the re-opens;
+      UNAVAILABLE (or INTERNAL, gRPC's error for a write on it) before the server has sent
+      anything on it (gRPC may give it the connection that has just closed) is opened again,
+      NEW_STREAM_ATTEMPTS times at most, within the operation's timeout: no episode of it can
+      be lost, and a Step retried carries its request_id. Any other failed open fails the
+      operation with its status, so the caller's bounded retries bound the re-opens;
     - an episode opened on the ended stream is lost: the server has closed it. Every later
       operation on it raises the stream's error at once (the same class, so a dead server is
       reported as UNAVAILABLE exactly as over unary calls, and the agent starts the episode
@@ -216,11 +216,14 @@ class EnvClient:
                 stream = await self._live_stream()
             try:
                 return await stream.run(request, request_id, max(deadline - time.monotonic(), 0.001))
-            except Unavailable:
+            except (Unavailable, Internal):
                 # Nothing came back on it: the stream never reached a live server (and the
-                # server closes whatever it may have opened on it).
+                # server closes whatever it may have opened on it). Its end is UNAVAILABLE, or
+                # INTERNAL ("Internal error from Core") where gRPC failed the write on it first.
                 if stream.received or attempt >= NEW_STREAM_ATTEMPTS or time.monotonic() >= deadline:
                     raise
+                if self._stream is stream:
+                    self._stream = None  # dead, even if its reader has not said so yet
             await asyncio.sleep(NEW_STREAM_BACKOFF_S * attempt)
             attempt += 1
 
