@@ -105,15 +105,18 @@ def train_figures(run_dir: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     sft = [m for m in metrics if m.get("objective") == "sft"]
     grpo = [m for m in metrics if m.get("objective") != "sft"]
+    generated, no_signal = summary.get("groups_generated") or 0, summary.get("groups_refused", {}).get("no_signal", 0)
     return {"steps": len(metrics), "sft_steps": len(sft), "grpo_steps": len(grpo),
             "seconds": round(summary.get("seconds", 0.0), 1), "stopped_by": summary.get("stopped_by"),
             "sft_loss_first_last": [round(sft[0]["sft_loss"], 4), round(sft[-1]["sft_loss"], 4)] if sft else None,
             "sft_token_accuracy_last": round(sft[-1]["sft_token_accuracy"], 4) if sft else None,
             "sft_seconds": round(sft[-1]["time_s"], 1) if sft else None,
             "grpo_reward_per_step": [round(m["reward_mean"], 3) for m in grpo],
-            "grpo_frac_all_equal_groups_mean": round(statistics.fmean(m["frac_all_equal_groups"] for m in grpo), 3)
-            if grpo else None,
-            "groups_generated": summary.get("groups_generated"), "checkpoint": summary.get("checkpoint"),
+            # Groups whose rewards were all equal are refused when they reach the learner, so no
+            # batch holds one (its frac_all_equal_groups stays 0): the run's summary counts them.
+            "groups_generated": generated, "groups_no_signal": no_signal,
+            "groups_no_signal_frac": round(no_signal / generated, 3) if generated else None,
+            "checkpoint": summary.get("checkpoint"),
             "run_dir": str(run_dir)}
 
 

@@ -5,6 +5,7 @@ imports it, however deep."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,18 @@ def test_the_bench_script_starts(script: str) -> None:
                           timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower(), done.stdout[-500:]
+
+
+def test_the_tool_use_bench_counts_the_groups_refused_for_having_no_signal() -> None:
+    # The record of an hour-long `gsm8k_tools_smollm2_cpu` run: the learner refuses a group whose
+    # rewards are all equal when it arrives, so no batch holds one and its frac_all_equal_groups is 0
+    # at every step, while 51 of the 87 groups generated had no signal.
+    spec = importlib.util.spec_from_file_location("real_model_tools", ROOT / "bench" / "real_model_tools.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = bench.train_figures(ROOT / "tests" / "data" / "gsm8k_tools_run")
+    assert (figures["sft_steps"], figures["grpo_steps"]) == (30, 9)
+    assert figures["groups_generated"] == 87
+    assert figures.get("groups_no_signal") == 51, figures
+    assert figures["groups_no_signal_frac"] == 0.586, figures
