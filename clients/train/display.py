@@ -89,8 +89,13 @@ class Progress:
 
     def __init__(self, total: int | None, enabled: bool, stall_after_s: float = 60.0,
                  max_seconds: float | None = None) -> None:
+        # tqdm's time estimate is to the step budget; with a time budget as well, the line shows
+        # time_left instead (an hour's run with 400 steps allowed read "59:44<27:33:12").
+        bar_format = ("{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+                      if total is not None and max_seconds is not None else None)
         self.bar = tqdm(
-            total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train"
+            total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="train",
+            bar_format=bar_format,
         )
         self.stall_after_s = stall_after_s
         self.max_seconds = max_seconds  # the time budget: the line says how much of it is left

@@ -103,6 +103,25 @@ def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() 
     assert Progress(total=None, enabled=False, max_seconds=60).postfix(status, now=2000.0)["time_left"] == "0:00"
 
 
+def test_a_time_budget_keeps_the_step_budgets_time_estimate_off_the_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Seen at the end of an hour's run with budget.max_steps 400: "38/400 [59:44<27:33:12,
+    # 274.01s/step, ..., time_left=0:16]": the estimate to step 400 when the run ends in 16 s.
+    status = RunStatus(batch_groups=4, started=0.0, rollouts_finished=500, step=38, first_step_s=31.0,
+                       reward_mean=0.542)
+    timed = Progress(total=400, enabled=True, max_seconds=3600)
+    timed.tick(status, now=3584.0)
+    timed.close()
+    line = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "38/400" in line and "time_left=0:16" in line and "<" not in line, line
+    steps_only = Progress(total=400, enabled=True)
+    steps_only.tick(status, now=3584.0)
+    steps_only.close()
+    line = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "38/400" in line and "<" in line, line  # the step budget binds: its estimate is the one
+
+
 def test_a_full_batch_in_the_learner_reads_as_a_step_in_progress() -> None:
     status = RunStatus(batch_groups=4, started=0.0, groups_in_learner=4)
     assert "a step is training" in stall_cause(status, now=100.0)
