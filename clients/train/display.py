@@ -30,6 +30,8 @@ class RunStatus:
     groups_finished: int = 0
     groups_generating: int = 0
     completion_tokens: int = 0
+    # When rollouts began (after any sft phase); None: at the start. tok_s counts from here.
+    generating_since: float | None = None
     step: int = 0
     policy_version: int = 0
     reward_mean: float = float("nan")
@@ -48,7 +50,13 @@ class RunStatus:
     sft_loss: float | None = None
 
     def tokens_per_s(self, now: float) -> float:
-        return self.completion_tokens / max(now - self.started, 1e-9)
+        since = self.started if self.generating_since is None else self.generating_since
+        return self.completion_tokens / max(now - since, 1e-9)
+
+
+# All-equal groups in a row, none with signal, before a notice says the policy answers alike: one
+# or two are common in a healthy run (GRPO after SFT: 51 of 87 groups all right or all wrong).
+ALIKE_AFTER = 3
 
 
 def stall_cause(status: RunStatus, now: float) -> str:
@@ -59,8 +67,9 @@ def stall_cause(status: RunStatus, now: float) -> str:
             "reconnecting, and its groups will be sent again"
         )
     since = status.since_step
+    equal = since["skipped_equal"]
     refusals = (
-        f"since the last step {since['skipped_equal']} groups all-equal (no signal), "
+        f"since the last step {equal} group{'' if equal == 1 else 's'} all-equal (no signal), "
         f"{since['refused_stale'] + since['dropped_stale']} stale"
     )
     if since["refused_invalid"]:
@@ -75,7 +84,7 @@ def stall_cause(status: RunStatus, now: float) -> str:
         f"waiting for {missing} more groups ({status.groups_in_learner} of a batch of "
         f"{status.batch_groups} in the learner; {refusals})"
     )
-    if since["skipped_equal"] and since["skipped_equal"] >= since.total() - since["consumed"]:
+    if equal >= ALIKE_AFTER and equal >= since.total() - since["consumed"]:
         cause += "; every group since the last step was all-equal: the policy answers alike"
     if status.groups_generating:
         cause += f"; {status.groups_generating} groups generating"

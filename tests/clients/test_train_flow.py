@@ -93,6 +93,25 @@ def test_groups_with_signal_since_the_last_step_keep_the_notice_from_saying_the_
     assert ledger.since_step["accepted"] == 2
 
 
+def test_one_all_equal_group_is_not_called_a_policy_that_answers_alike() -> None:
+    # Seen as the first notice of a GRPO phase after SFT: "since the last step 1 groups all-equal
+    # (no signal), ...; every group since the last step was all-equal: the policy answers alike".
+    status = RunStatus(batch_groups=4, started=0.0, rollouts_finished=6, since_step=Counter(skipped_equal=1))
+    cause = stall_cause(status, now=121.0)
+    assert "1 group all-equal" in cause and "answers alike" not in cause, cause
+    status.since_step = Counter(skipped_equal=3)
+    assert "3 groups all-equal" in stall_cause(status, now=121.0)
+    assert "every group since the last step was all-equal: the policy answers alike" in stall_cause(status, 121.0)
+
+
+def test_the_live_line_gives_generation_speed_from_when_generation_began() -> None:
+    # A run whose sft phase took its first 11 minutes showed tok_s=6 while generating 20 a second.
+    status = RunStatus(batch_groups=4, started=0.0, completion_tokens=2000)
+    assert Progress(total=None, enabled=False).postfix(status, now=100.0)["tok_s"] == "20"
+    status.generating_since = 660.0
+    assert Progress(total=None, enabled=False).postfix(status, now=760.0)["tok_s"] == "20"
+
+
 def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() -> None:
     status = RunStatus(batch_groups=4, started=100.0, rollouts_finished=40)
     line = Progress(total=200, enabled=False, max_seconds=1800).postfix(status, now=119.0)
