@@ -405,8 +405,7 @@ class EnvSession:
                     await slots.acquire()
                 try:
                     try:
-                        async with self._write_lock:
-                            await self._call.write(request)
+                        await asyncio.shield(self._send(request))
                     except (grpc.aio.UsageError, asyncio.InvalidStateError):
                         # The stream already ended: its reader is about to say how (bounded).
                         await asyncio.wait({self._reader})
@@ -431,6 +430,20 @@ class EnvSession:
                 elif answer in waiters:
                     waiters.remove(answer)
         return response
+
+    def _send(self, request: env_pb2.SessionRequest) -> asyncio.Future[None]:
+        """Write `request` in a task of its own. gRPC cancels the whole call when a write on it
+        is cancelled, and this stream carries every caller's episodes: a caller that gives up
+        mid-write (its timeout, its cancellation) must leave the write, and the others'
+        episodes, alone. The task holds the write lock until its write is done (gRPC allows one
+        pending write per stream), so writes go out in the order they were sent."""
+        write = asyncio.ensure_future(self._write(request))
+        write.add_done_callback(_seen)
+        return write
+
+    async def _write(self, request: env_pb2.SessionRequest) -> None:
+        async with self._write_lock:
+            await self._call.write(request)
 
     async def _read(self) -> None:
         try:
@@ -484,6 +497,13 @@ class EnvSession:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+
+
+def _seen(task: asyncio.Future[None]) -> None:
+    """Mark a write's failure seen: a write whose caller gave up fails unawaited, and its
+    stream's reader reports why the stream ended."""
+    if not task.cancelled():
+        task.exception()
 
 
 __all__ = ["EnvClient", "EnvSession", "close_request", "new_request_id", "reset_request", "step_request",

@@ -4,6 +4,7 @@ serialization, idempotent retries, deadlines, bad input and error semantics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -202,6 +203,26 @@ async def test_deadline_is_honoured_and_the_retry_gets_the_first_result(env_serv
         retry = await client.step(reset.episode_id, slow, request_id=request_id, timeout=30)
         assert retry.step_count == 1 and "slept" in text(retry.observations)
         await client.close(reset.episode_id)
+
+
+async def test_a_caller_cancelled_mid_write_leaves_the_shared_stream_and_its_episodes_open(
+        env_server: ServerProcess) -> None:
+    """Cancelling one operation never ends the Session stream the client shares among its
+    callers: gRPC cancels a whole call when a write on it is cancelled, and every other episode
+    on the stream would be lost. Each cancel lands at another point of the operation (waiting
+    for a slot, the write, the answer)."""
+    async with EnvClient(env_server.target) as client:
+        kept = await client.reset("gsm8k", split="test", index=5)
+        for yields in range(8):
+            operation = asyncio.ensure_future(client.reset("gsm8k", split="test", index=6))
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            operation.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await operation
+            step = await client.step(kept.episode_id, calculator(f"{yields} + 1"))  # the stream lives on
+            assert step.observations[0].content == str(yields + 1), f"cancelled after {yields} yields"
+        await client.close(kept.episode_id)
 
 
 async def test_agent_mistakes_get_tool_messages_and_malformed_requests_get_errors(
