@@ -69,6 +69,9 @@ def test_sft_then_grpo_switches_phase_and_resumes_across_the_boundary(tmp_path: 
     assert second["demonstrations_sent"] == 0, "every demonstration was trained before the resume"
     assert [s["objective"] for s in second["steps"]] == ["grpo", "grpo"]
     assert [s["step"] for s in second["steps"]] == [4, 5]
+    # Generation speed counts from the phase switch (nothing was left to send: at once).
+    assert 0 < second["sft_seconds"] < second["seconds"]
+    assert second["tokens_per_s"] == second["completion_tokens"] / (second["seconds"] - second["sft_seconds"])
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]

@@ -163,6 +163,7 @@ async def run_rollouts_into_learner(
                 await flow.changed.wait_for(lambda: not any(g.group_id in ledger.unsettled for g in pending))
             status.phase = "grpo"
             status.generating_since = time.monotonic()
+            outcome.sft_seconds = status.generating_since - started
 
         async def produce(rollouts_file: IO[str], failures_file: IO[str]) -> None:
             if config.phases:

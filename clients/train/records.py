@@ -111,6 +111,7 @@ class TrainOutcome(BaseModel):
     # Every fate the client recorded per group id (one each); not written to summary.json.
     group_fates: dict[str, list[str]] = Field(default_factory=dict, exclude=True)
     completion_tokens: int = 0
+    sft_seconds: float = 0.0  # seconds of the sft phases, before rollouts began
     # Seconds during which no group was being generated (the rollout client waited on the learner).
     generation_idle_s: float = 0.0
     stopped_by: str = ""
@@ -121,7 +122,9 @@ class TrainOutcome(BaseModel):
 
     @property
     def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds else 0.0
+        """Completion tokens per second of generating: from the end of the sft phases on."""
+        generating = self.seconds - self.sft_seconds
+        return self.completion_tokens / generating if generating > 0 else 0.0
 
     def reward_at(self, fraction_from: float, fraction_to: float) -> float:
         """Mean reward of the steps in [fraction_from, fraction_to) of the run's steps."""

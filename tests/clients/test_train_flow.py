@@ -8,6 +8,7 @@ import pytest
 
 from clients.train.display import Progress, RunStatus, stall_cause
 from clients.train.flow import GroupLedger
+from clients.train.records import TrainOutcome
 from sciproto.pb import learner_pb2
 
 
@@ -110,6 +111,14 @@ def test_the_live_line_gives_generation_speed_from_when_generation_began() -> No
     assert Progress(total=None, enabled=False).postfix(status, now=100.0)["tok_s"] == "20"
     status.generating_since = 660.0
     assert Progress(total=None, enabled=False).postfix(status, now=760.0)["tok_s"] == "20"
+
+
+def test_the_summarys_tokens_per_s_counts_from_when_rollouts_began() -> None:
+    # The hour-long tool-use run's summary averaged its GRPO phase's tokens over the 11 minutes
+    # of SFT before it as well.
+    outcome = TrainOutcome(run_dir="run", seconds=3600.0, sft_seconds=660.0, completion_tokens=58_800)
+    assert outcome.tokens_per_s == 20.0
+    assert TrainOutcome(run_dir="run", seconds=30.0, sft_seconds=30.0).tokens_per_s == 0.0  # sft only
 
 
 def test_the_live_line_shows_progress_from_the_start_and_the_time_budget_left() -> None:
