@@ -4,6 +4,7 @@ them, but never those of a server still running."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +31,21 @@ async def open_episode(client: EnvClient) -> tuple[str, Path]:
     """A notebook episode (open while `client` is) and its workspace (where its cells run)."""
     episode = (await client.reset("notebook", split="test", index=0, timeout=120)).episode_id
     step = await client.step(episode, edit_cell("import os\nprint('cwd=' + os.getcwd())"), timeout=120)
-    cwd = next(line for line in text(list(step.observations)).splitlines() if line.startswith("cwd=/"))
-    return episode, Path(cwd.removeprefix("cwd=").strip().strip('"\\n,'))
+    return episode, workspace_in(text(list(step.observations)))
+
+
+def workspace_in(output: str) -> Path:
+    """The directory a cell printed as `cwd=<path>` (the notebook shows it inside its JSON)."""
+    found = re.search(r"^cwd=(/[\w./-]+)", output, re.MULTILINE)  # ends where the JSON's `\n",` begins
+    assert found, f"no cwd= line in the cell's output: {output!r}"
+    return Path(found.group(1))
+
+
+def test_a_printed_workspace_is_read_whole_whatever_its_name_ends_with() -> None:
+    # mkdtemp's names end in any of [a-z0-9_]: one that ends in "n" was cut short (1 in 37).
+    for name in ("sciproto-ws-52rfek93", "sciproto-ws-tnuw5akn", "sciproto-ws-abc_def_"):
+        printed = f'cwd=/tmp/sciproto-env-1-x/{name}\\n",'
+        assert workspace_in(f'[{{"text": "x"}}\n{printed}\n]') == Path(f"/tmp/sciproto-env-1-x/{name}")
 
 
 def _server(name: str) -> tuple[Iterator[ServerProcess], ServerProcess]:
