@@ -14,7 +14,10 @@ call, tool calls per episode).
 
 Output JSON: {"base" | "sft" | "grpo": {split: {"pass@1", "low", "high", "tool_call_reply_frac",
 "tool_calls_mean", ...}}, "grpo_gain_beyond_intervals": {split: grpo.low > sft.high},
-"demonstrations": {...}, "train": {...}}.
+"grpo_vs_sft_paired": {split: {"fixed", "broken", "p"}}, "demonstrations": {...}, "train": {...}}.
+Both checkpoints run the same tasks greedily, so the paired comparison (the tasks GRPO solves that
+SFT did not, and the reverse, with the exact two-sided sign test) tells a real difference from
+chance where two intervals of 60 tasks (about +-0.12 each) still overlap.
 Usage: python bench/real_model_tools.py [--config gsm8k_tools_smollm2_cpu] [--limit 100] [--short-demos 200]
        [--base-limit N] [--reuse-demos] [--seconds S (budget.max_seconds)] [--output FILE] [--set key=value ...]
 """
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -77,6 +81,25 @@ async def evaluate_checkpoint(env: str, checkpoint: Path, config: EvalConfig, li
                               label: str) -> dict:
     async with serve_checkpoint(checkpoint, config.checkpoint, out / f"{label}-policy.log") as (target, name):
         return await evaluate_splits(env, target, config, limit, out, label, policy_label=name)
+
+
+def paired(before: Path, after: Path, success: float = 1.0) -> dict:
+    """Two greedy evaluations of the same tasks (their rollouts JSONL), compared task by task.
+
+    fixed  = tasks `after` solves and `before` did not;  broken = the reverse
+    p      = P(a split at least this uneven | both equally good), two-sided:
+             min(1, 2 * sum_{i <= min(fixed, broken)} C(n, i) / 2^n),  n = fixed + broken
+    (McNemar's exact test: tasks both solve or both fail say nothing about which is better.)
+    """
+    solved = [{r.index: r.reward >= success for r in read_rollouts(path)}
+              for path in (before, after)]
+    if solved[0].keys() != solved[1].keys():
+        raise ValueError(f"{before} and {after} hold different tasks: a paired comparison needs the same ones")
+    fixed = sum(1 for task, was in solved[0].items() if not was and solved[1][task])
+    broken = sum(1 for task, was in solved[0].items() if was and not solved[1][task])
+    n = fixed + broken
+    tail = sum(math.comb(n, i) for i in range(min(fixed, broken) + 1)) / 2 ** n
+    return {"tasks": len(solved[0]), "fixed": fixed, "broken": broken, "p": round(min(1.0, 2 * tail), 4)}
 
 
 async def write_demonstrations(env: str, path: Path, short_demos: int) -> dict:
@@ -159,6 +182,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "base": base, "sft": sft, "grpo": grpo,
         "sft_gain_beyond_intervals": {s: sft[s]["low"] > base[s]["high"] for s in base} if base else None,
         "grpo_gain_beyond_intervals": {s: grpo[s]["low"] > sft[s]["high"] for s in sft} if grpo else None,
+        "grpo_vs_sft_paired": {s: paired(out / f"sft.{s}.eval.greedy.jsonl", out / f"grpo.{s}.eval.greedy.jsonl",
+                                         config.success_reward) for s in sft} if grpo else None,
         "demonstrations": demonstrations, "train": trained, "bench_seconds": round(time.monotonic() - started, 1),
     }
 

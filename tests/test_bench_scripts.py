@@ -17,6 +17,14 @@ SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
 PACKAGES = sorted(path.parent.name for path in ROOT.glob("*/__init__.py"))
 
 
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_no_bench_script_is_named_like_a_package() -> None:
     assert PACKAGES, "no top-level package found"
     clashes = [name for name in SCRIPTS if name.removesuffix(".py") in PACKAGES]
@@ -35,12 +43,25 @@ def test_the_tool_use_bench_counts_the_groups_refused_for_having_no_signal() -> 
     # The record of an hour-long `gsm8k_tools_smollm2_cpu` run: the learner refuses a group whose
     # rewards are all equal when it arrives, so no batch holds one and its frac_all_equal_groups is 0
     # at every step, while 51 of the 87 groups generated had no signal.
-    spec = importlib.util.spec_from_file_location("real_model_tools", ROOT / "bench" / "real_model_tools.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("real_model_tools")
     figures = bench.train_figures(ROOT / "tests" / "data" / "gsm8k_tools_run")
     assert (figures["sft_steps"], figures["grpo_steps"]) == (30, 9)
     assert figures["groups_generated"] == 87
     assert figures.get("groups_no_signal") == 51, figures
     assert figures["groups_no_signal_frac"] == 0.586, figures
+
+
+def test_the_tool_use_bench_compares_the_checkpoints_task_by_task(tmp_path: Path) -> None:
+    # Run 4's greedy evaluations of its SFT and GRPO checkpoints on gsm8k:test (60 tasks): the
+    # intervals overlap (0.53 [0.41, 0.65] and 0.63 [0.51, 0.74]), and GRPO solved 6 tasks SFT had
+    # failed while failing none SFT had solved: 2 * 0.5^6 = 0.031.
+    bench = load_bench("real_model_tools")
+    record = ROOT / "tests" / "data" / "gsm8k_tools_eval"
+    before, after = record / "sft.test.eval.greedy.jsonl", record / "grpo.test.eval.greedy.jsonl"
+    assert bench.paired(before, after) == {"tasks": 60, "fixed": 6, "broken": 0, "p": 0.0312}
+    assert bench.paired(after, before) == {"tasks": 60, "fixed": 0, "broken": 6, "p": 0.0312}
+    assert bench.paired(before, before) == {"tasks": 60, "fixed": 0, "broken": 0, "p": 1.0}
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join(after.read_text().splitlines(keepends=True)[:59]))
+    with pytest.raises(ValueError, match="different tasks"):
+        bench.paired(before, fewer)
