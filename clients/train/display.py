@@ -12,6 +12,7 @@ each further `stall_after_s`):
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import Counter
@@ -118,11 +119,14 @@ class Progress:
         }
         if status.phase:
             postfix["phase"] = status.phase
-        if status.sft_loss is not None:
+        # Each phase shows its own figure: the loss while demonstrations train, then the reward
+        # of the last GRPO step (none before the first one).
+        if status.sft_loss is not None and status.phase == "sft":
             postfix["sft_loss"] = f"{status.sft_loss:.3f}"
+        if status.step and not math.isnan(status.reward_mean):
+            postfix["reward"] = f"{status.reward_mean:.3f}"
         if status.step:
             postfix |= {
-                "reward": f"{status.reward_mean:.3f}",
                 "lag": f"{status.policy_lag_mean:.2f}",
                 "version": status.policy_version,
                 "first_step": f"{status.first_step_s:.0f}s",

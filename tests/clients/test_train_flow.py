@@ -113,6 +113,20 @@ def test_the_live_line_gives_generation_speed_from_when_generation_began() -> No
     assert Progress(total=None, enabled=False).postfix(status, now=760.0)["tok_s"] == "20"
 
 
+def test_the_live_line_shows_each_phases_own_figures() -> None:
+    # An hour's tool-use run read "phase=grpo, sft_loss=0.185, reward=nan" for its first GRPO
+    # minutes, and kept showing the sft phase's last loss to the end, as if it were current.
+    status = RunStatus(batch_groups=4, started=0.0, step=2, first_step_s=15.0, phase="sft", sft_loss=0.21)
+    line = Progress(total=None, enabled=False).postfix(status, now=60.0)
+    assert line["sft_loss"] == "0.210" and "reward" not in line
+    status.phase = "grpo"  # the sft phase has ended; no GRPO step yet
+    line = Progress(total=None, enabled=False).postfix(status, now=90.0)
+    assert "sft_loss" not in line and "reward" not in line and line["version"] == 0
+    status.step, status.reward_mean = 3, 0.5
+    line = Progress(total=None, enabled=False).postfix(status, now=120.0)
+    assert line["reward"] == "0.500" and "sft_loss" not in line
+
+
 def test_the_summarys_tokens_per_s_counts_from_when_rollouts_began() -> None:
     # The hour-long tool-use run's summary averaged its GRPO phase's tokens over the 11 minutes
     # of SFT before it as well.
