@@ -99,7 +99,8 @@ def paired(before: Path, after: Path, success: float = 1.0) -> dict:
     broken = sum(1 for task, was in solved[0].items() if was and not solved[1][task])
     n = fixed + broken
     tail = sum(math.comb(n, i) for i in range(min(fixed, broken) + 1)) / 2 ** n
-    return {"tasks": len(solved[0]), "fixed": fixed, "broken": broken, "p": round(min(1.0, 2 * tail), 4)}
+    # Three significant figures: 16 fixed and none broken is p = 3.05e-05, not 0.0.
+    return {"tasks": len(solved[0]), "fixed": fixed, "broken": broken, "p": float(f"{min(1.0, 2 * tail):.3g}")}
 
 
 async def write_demonstrations(env: str, path: Path, short_demos: int) -> dict:

@@ -6,6 +6,7 @@ imports it, however deep."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,9 @@ def test_the_tool_use_bench_compares_the_checkpoints_task_by_task(tmp_path: Path
     fewer.write_text("".join(after.read_text().splitlines(keepends=True)[:59]))
     with pytest.raises(ValueError, match="different tasks"):
         bench.paired(before, fewer)
+    # 16 fixed and none broken, as on run 5's short_test: p = 2 / 2**16, which must not read 0.0.
+    records = [json.loads(line) for line in before.read_text().splitlines()]
+    for name, solved in (("none", 0.0), ("all", 1.0)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps(r | {"reward": solved if r["index"] < 16 else 1.0}) + "\n" for r in records))
+    assert bench.paired(tmp_path / "none.jsonl", tmp_path / "all.jsonl")["p"] == pytest.approx(3.05e-5, rel=1e-2)
