@@ -41,6 +41,7 @@ class RunStatus:
     last_step_at: float | None = None
     groups_in_learner: int = 0  # accepted by the learner and not yet consumed or dropped
     since_step: Counter[str] = field(default_factory=Counter)  # fates since the last step
+    equal_rewards: Counter[float] = field(default_factory=Counter)  # all-equal groups by common reward
     learner_down_since: float | None = None
     step_failures: int = 0
     # rollout.grouping step: forks opened and closed so far (None: trajectory groups).
@@ -87,6 +88,10 @@ def stall_cause(status: RunStatus, now: float) -> str:
     )
     if equal >= ALIKE_AFTER and equal >= since.total() - since["consumed"]:
         cause += "; every group since the last step was all-equal: the policy answers alike"
+        if status.equal_rewards:
+            cause += ": every sample scored " + ", ".join(
+                f"{reward:g} in {n} group{'' if n == 1 else 's'}"
+                for reward, n in sorted(status.equal_rewards.items()))
     if status.groups_generating:
         cause += f"; {status.groups_generating} groups generating"
     if not status.rollouts_finished:

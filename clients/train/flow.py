@@ -56,6 +56,8 @@ class GroupLedger:
         self.counts: Counter[str] = Counter()
         # Fates since the last step result, and the groups the learner accepted since then.
         self.since_step: Counter[str] = Counter()
+        # The common reward of each all-equal group since the last step: all right, or all wrong?
+        self.equal_rewards: Counter[float] = Counter()
         self.resent = 0
 
     def add(self, request: learner_pb2.TrainStepRequest) -> None:
@@ -67,8 +69,11 @@ class GroupLedger:
         if group_id not in self.fates:
             return 0  # not ours (an older run's, or another client's)
         self.fates[group_id].append(fate)
-        if self.unsettled.pop(group_id, None) is None:
+        request = self.unsettled.pop(group_id, None)
+        if request is None:
             return 0  # settled twice: kept in `fates` for whoever checks
+        if fate == "skipped_equal" and request.group.rollouts:
+            self.equal_rewards[round(request.group.rollouts[0].reward.value, 3)] += 1
         self.sent.discard(group_id)
         self.accepted.discard(group_id)
         self.counts[fate] += 1
@@ -93,6 +98,7 @@ class GroupLedger:
 
     def on_step(self, result: learner_pb2.OptimizerStepResult) -> int:
         self.since_step.clear()
+        self.equal_rewards.clear()
         settled = sum(self.settle(g, "consumed") for g in result.consumed_group_ids)
         return settled + sum(self.settle(g, "dropped_stale") for g in result.dropped_stale_group_ids)
 

@@ -316,6 +316,7 @@ async def run_rollouts_into_learner(
                 log.warning("learner reported: %s", event.error.message)
             status.groups_in_learner = len(ledger.accepted)
             status.since_step = ledger.since_step
+            status.equal_rewards = ledger.equal_rewards
 
         async def ticker() -> None:
             assert display is not None

@@ -9,7 +9,7 @@ import pytest
 from clients.train.display import Progress, RunStatus, stall_cause
 from clients.train.flow import GroupLedger
 from clients.train.records import TrainOutcome
-from sciproto.pb import learner_pb2
+from sciproto.pb import common_pb2, learner_pb2
 
 
 def request(group_id: str) -> learner_pb2.TrainStepRequest:
@@ -103,6 +103,29 @@ def test_one_all_equal_group_is_not_called_a_policy_that_answers_alike() -> None
     status.since_step = Counter(skipped_equal=3)
     assert "3 groups all-equal" in stall_cause(status, now=121.0)
     assert "every group since the last step was all-equal: the policy answers alike" in stall_cause(status, 121.0)
+
+
+def test_the_notice_of_all_equal_groups_tells_solved_tasks_from_a_stuck_policy() -> None:
+    # Run 5's last half hour solved nearly every task and read "the policy answers alike", the words
+    # of a policy stuck on wrong answers; the groups' common reward tells the two apart.
+    def group(name: str, reward: float) -> learner_pb2.TrainStepRequest:
+        rollouts = [learner_pb2.Rollout(sample_index=i, reward=common_pb2.Reward(value=reward)) for i in range(4)]
+        return learner_pb2.TrainStepRequest(group=learner_pb2.RolloutGroup(group_id=name, rollouts=rollouts))
+
+    ledger = GroupLedger()
+    for name in ("a", "b", "c"):
+        ledger.add(group(name, 1.0))
+        ledger.on_receipt(receipt(name, "no_signal"))
+    status = RunStatus(batch_groups=4, started=0.0, rollouts_finished=12, since_step=ledger.since_step,
+                       equal_rewards=ledger.equal_rewards)
+    cause = stall_cause(status, now=121.0)
+    assert "answers alike: every sample scored 1 in 3 groups" in cause, cause
+    ledger.add(group("d", 0.0))
+    ledger.on_receipt(receipt("d", "no_signal"))
+    cause = stall_cause(status, now=121.0)
+    assert "answers alike: every sample scored 0 in 1 group, 1 in 3 groups" in cause, cause
+    ledger.on_step(learner_pb2.OptimizerStepResult())
+    assert not ledger.equal_rewards, "counted since the last step"
 
 
 def test_the_live_line_gives_generation_speed_from_when_generation_began() -> None:
