@@ -9,6 +9,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -254,6 +255,8 @@ def test_a_stalled_run_says_why(tmp_path: Path) -> None:
     stalled = [line for line in done.stderr.splitlines() if "no optimizer step for" in line]
     assert stalled, done.stderr[-3000:]
     assert "all-equal" in stalled[0], stalled
+    # ...and with the reward those groups share, so a stuck policy reads apart from solved tasks.
+    assert any(re.search(r"answers alike: every sample scored -?[\d.]+ in \d+ groups?", line) for line in stalled), stalled
     # A run that made no step saves no checkpoint of the unchanged base model.
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["steps"] == [] and summary["checkpoint"] == ""
