@@ -61,6 +61,18 @@ class RunStatus:
 ALIKE_AFTER = 3
 
 
+def shared_rewards(equal_rewards: Counter[float], named: int = 3) -> str:
+    """'1 in 3 groups, 0 in 1 group': the rewards all-equal groups shared, most common first; a
+    graded reward's long tail is counted, not listed."""
+    ranked = sorted(equal_rewards.items(), key=lambda item: (-item[1], item[0]))
+    named = len(ranked) if len(ranked) <= named + 1 else named  # "and 1 groups at 1 other rewards" says less
+    text = ", ".join(f"{reward:g} in {n} group{'' if n == 1 else 's'}" for reward, n in ranked[:named])
+    rest = ranked[named:]
+    if rest:
+        text += f", and {sum(n for _, n in rest)} groups at {len(rest)} other rewards"
+    return text
+
+
 def stall_cause(status: RunStatus, now: float) -> str:
     """Why no optimizer step is running, as far as the rollout client can tell."""
     if status.learner_down_since is not None:
@@ -89,9 +101,7 @@ def stall_cause(status: RunStatus, now: float) -> str:
     if equal >= ALIKE_AFTER and equal >= since.total() - since["consumed"]:
         cause += "; every group since the last step was all-equal: the policy answers alike"
         if status.equal_rewards:
-            cause += ": every sample scored " + ", ".join(
-                f"{reward:g} in {n} group{'' if n == 1 else 's'}"
-                for reward, n in sorted(status.equal_rewards.items()))
+            cause += ": every sample scored " + shared_rewards(status.equal_rewards)
     if status.groups_generating:
         cause += f"; {status.groups_generating} groups generating"
     if not status.rollouts_finished:

@@ -123,7 +123,15 @@ def test_the_notice_of_all_equal_groups_tells_solved_tasks_from_a_stuck_policy()
     ledger.add(group("d", 0.0))
     ledger.on_receipt(receipt("d", "no_signal"))
     cause = stall_cause(status, now=121.0)
-    assert "answers alike: every sample scored 0 in 1 group, 1 in 3 groups" in cause, cause
+    assert "answers alike: every sample scored 1 in 3 groups, 0 in 1 group" in cause, cause
+    # A graded reward (the demo's toy env) gave a real run "0 in 320 groups, 0.03 in 2 groups, 0.042
+    # in 21 groups, ..." eleven rewards long: the notice names the three most common, and the rest.
+    for i in range(8):
+        ledger.add(group(f"graded{i}", 0.01 * (i + 1)))
+        ledger.on_receipt(receipt(f"graded{i}", "no_signal"))
+    cause = stall_cause(status, now=121.0)
+    assert cause.endswith("every sample scored 1 in 3 groups, 0 in 1 group, 0.01 in 1 group, and 7 groups at"
+                          " 7 other rewards"), cause
     ledger.on_step(learner_pb2.OptimizerStepResult())
     assert not ledger.equal_rewards, "counted since the last step"
 
