@@ -143,6 +143,9 @@ class ForkServer:
         self._stderr: IO[bytes] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._runs: dict[int, asyncio.Future[int]] = {}
+        # Each run's stderr file, by name until the server has opened it for the run (its "started"):
+        # then the name goes, so a process killed mid-run leaves no file behind.
+        self._stderr_names: dict[int, str] = {}
         self._next_id = 0
         self._starts = 0
         self._lock = asyncio.Lock()
@@ -199,9 +202,18 @@ class ForkServer:
                 if "imported" in message:
                     self._imported_late(int(message["count"]), message["modules"])
                     continue
+                if "started" in message:
+                    name = self._stderr_names.pop(message["started"], None)
+                    if name is not None:
+                        with contextlib.suppress(OSError):
+                            os.unlink(name)
+                    continue
                 future = self._runs.get(message.get("exited", -1))
                 if future is not None and not future.done():
-                    future.set_result(int(message["code"]))
+                    if "error" in message:
+                        future.set_exception(RuntimeError(f"the agent did not start: {message['error']}"))
+                    else:
+                        future.set_result(int(message["code"]))
         finally:
             reason = " | ".join(last_lines(self._stderr, 3)) if self._stderr else ""
             for future in self._runs.values():
@@ -225,7 +237,8 @@ class ForkServer:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._runs[run_id] = future
         fd, stderr_path = tempfile.mkstemp(prefix="sciproto-agent-", suffix=".stderr")
-        os.close(fd)
+        stderr = os.fdopen(fd, "rb")
+        self._stderr_names[run_id] = stderr_path
         try:
             if process.stdin.is_closing():
                 raise RuntimeError("the agent fork server exited before the run started")
@@ -241,12 +254,14 @@ class ForkServer:
                         process.stdin.write(json.dumps({"kill": run_id}).encode() + b"\n")
                     await _wait_through_cancellation(future, KILL_WAIT_S)
             if code != 0:
-                tail = await asyncio.to_thread(_last_lines_of, stderr_path, 3)
+                tail = await asyncio.to_thread(last_lines, stderr, 3)
                 raise RuntimeError(f"the agent exited {code}: {' | '.join(tail)}")
         finally:
             self._runs.pop(run_id, None)
-            with contextlib.suppress(OSError):
-                os.unlink(stderr_path)
+            stderr.close()
+            if self._stderr_names.pop(run_id, None) is not None:  # never started
+                with contextlib.suppress(OSError):
+                    os.unlink(stderr_path)
 
     async def _stop(self) -> None:
         """Close the server's stdin (it kills its runs and exits), kill it if it does not."""
@@ -263,11 +278,6 @@ class ForkServer:
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
-
-
-def _last_lines_of(path: str, count: int) -> list[str]:
-    with open(path, "rb") as file:
-        return last_lines(file, count)
 
 
 def _message(line: bytes) -> dict[str, Any]:

@@ -16,7 +16,9 @@ and exits 1). It reads
     {"kill": ID}
 
 and writes {"started": ID, "pid": PID} after each fork and {"exited": ID, "code": CODE} when that
-child ends (CODE < 0: killed by signal -CODE). A child that imported modules this server had not
+child ends (CODE < 0: killed by signal -CODE). PATH is opened before the fork: after "started" the
+parent may remove its name. A run whose PATH cannot be opened is not forked: {"exited": ID, "code": 1,
+"error": "..."}. A child that imported modules this server had not
 (a lazy import the preload missed: each run pays for it again) says so before it ends, naming the
 first few that are not inside another of them (`openai.resources`, not its hundreds of submodules):
 
@@ -54,8 +56,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(request: dict, wakeup: tuple[int, int], imports: tuple[int, int]) -> None:
-    """In the forked child: become the run, then exit with its status (never returns)."""
+def _child(request: dict, err: int, wakeup: tuple[int, int], imports: tuple[int, int]) -> None:
+    """In the forked child: become the run (stderr to `err`), then exit with its status (never returns)."""
     code = 1
     preloaded = set(sys.modules)
     try:
@@ -65,7 +67,6 @@ def _child(request: dict, wakeup: tuple[int, int], imports: tuple[int, int]) -> 
         for fd in (*wakeup, imports[0]):
             os.close(fd)
         null = os.open(os.devnull, os.O_RDWR)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(err, 2)
@@ -182,9 +183,17 @@ def serve(modules: list[str]) -> int:
                             os.kill(pid, signal.SIGKILL)
                     continue
                 out.flush()
+                # Opened here, before the fork: once "started" is said, the parent may remove the
+                # file's name, and the run still writes to it (nothing is left if the parent is killed).
+                try:
+                    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                except OSError as error:
+                    say({"exited": request["run"], "code": 1, "error": f"cannot open its stderr: {error}"})
+                    continue
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, wakeup, imports)
+                    _child(request, err, wakeup, imports)
+                os.close(err)
                 children[pid] = request["run"]
                 say({"started": request["run"], "pid": pid})
             reap()

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from clients.agent_process import AgentProgram, AgentStartError, ForkServer, launcher
+from clients.agent_process import ZYGOTE, AgentProgram, AgentStartError, ForkServer, launcher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,7 +213,9 @@ async def main():
 asyncio.run(main())
 """)
     (tmp_path / "agent.py").write_text(SCRIPT)
-    process = psutil.Popen([sys.executable, str(user)], stdout=-1, text=True)
+    temp = tmp_path / "tmp"  # the user's temporary directory: where a run's stderr would be left
+    temp.mkdir()
+    process = psutil.Popen([sys.executable, str(user)], stdout=-1, text=True, env={**os.environ, "TMPDIR": str(temp)})
     try:
         zygote = int(process.stdout.readline())
         deadline = time.monotonic() + 30
@@ -224,3 +227,28 @@ asyncio.run(main())
         process.wait(30)
     assert gone(zygote), "the fork server outlived the process that started it"
     assert gone(child), "a run outlived the fork server's user"
+    # Nor does a file: the run's stderr is gone with the processes that held it.
+    assert not list(temp.iterdir()), list(temp.iterdir())
+
+
+def test_the_fork_server_refuses_a_run_whose_stderr_it_cannot_open_and_serves_the_next(tmp_path: Path) -> None:
+    """The fork server's protocol, spoken directly: the run's stderr is opened before the fork, so a
+    path it cannot open is answered at once and no child is made."""
+    (tmp_path / "agent.py").write_text(SCRIPT)
+    zygote = subprocess.Popen([sys.executable, str(ZYGOTE), str(tmp_path), "json"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(zygote.stdout.readline()) == {"ready": True}
+        base = {"argv": [str(tmp_path / "agent.py")], "cwd": str(tmp_path), "env": {**os.environ}}
+        for run, stderr in ((0, "/no/such/dir/stderr"), (1, str(tmp_path / "stderr"))):
+            request = {**base, "run": run, "stderr": stderr, "env": {**base["env"], "OUT": str(tmp_path / f"{run}.json")}}
+            zygote.stdin.write(json.dumps(request) + "\n")
+            zygote.stdin.flush()
+        refused = json.loads(zygote.stdout.readline())
+        assert refused["exited"] == 0 and refused["code"] == 1 and "No such file" in refused["error"], refused
+        assert json.loads(zygote.stdout.readline())["started"] == 1
+        assert json.loads(zygote.stdout.readline()) == {"exited": 1, "code": 0}
+        assert (tmp_path / "stderr").read_text() == "a line on stderr\n" and not (tmp_path / "0.json").exists()
+    finally:
+        zygote.stdin.close()
+        zygote.wait(30)
