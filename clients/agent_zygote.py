@@ -16,9 +16,9 @@ and exits 1). It reads
     {"kill": ID}
 
 and writes {"started": ID, "pid": PID} after each fork and {"exited": ID, "code": CODE} when that
-child ends (CODE < 0: killed by signal -CODE). PATH is opened before the fork: after "started" the
-parent may remove its name. A run whose PATH cannot be opened is not forked: {"exited": ID, "code": 1,
-"error": "..."}. A child that imported modules this server had not
+child ends (CODE < 0: killed by signal -CODE). PATH, a file the parent made, is opened before the
+fork: after "started" the parent may remove its name. A run whose PATH cannot be opened (the parent
+removed it: it gave up on the run) is not forked: {"exited": ID, "code": 1, "error": "..."}. A child that imported modules this server had not
 (a lazy import the preload missed: each run pays for it again) says so before it ends, naming the
 first few that are not inside another of them (`openai.resources`, not its hundreds of submodules):
 
@@ -185,8 +185,9 @@ def serve(modules: list[str]) -> int:
                 out.flush()
                 # Opened here, before the fork: once "started" is said, the parent may remove the
                 # file's name, and the run still writes to it (nothing is left if the parent is killed).
+                # Not created: a file the parent has removed again is a run it gave up on.
                 try:
-                    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    err = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC)
                 except OSError as error:
                     say({"exited": request["run"], "code": 1, "error": f"cannot open its stderr: {error}"})
                     continue

@@ -233,22 +233,29 @@ asyncio.run(main())
 
 def test_the_fork_server_refuses_a_run_whose_stderr_it_cannot_open_and_serves_the_next(tmp_path: Path) -> None:
     """The fork server's protocol, spoken directly: the run's stderr is opened before the fork, so a
-    path it cannot open is answered at once and no child is made."""
+    path it cannot open is answered at once and no child is made. That includes a file the parent
+    made and has removed again (it gave up on the run before the server read the request): the
+    server does not make it anew, which would leave it behind, nor run what nobody waits for."""
     (tmp_path / "agent.py").write_text(SCRIPT)
+    (tmp_path / "stderr").touch()  # the parent makes each run's file (tempfile.mkstemp)
     zygote = subprocess.Popen([sys.executable, str(ZYGOTE), str(tmp_path), "json"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(zygote.stdout.readline()) == {"ready": True}
         base = {"argv": [str(tmp_path / "agent.py")], "cwd": str(tmp_path), "env": {**os.environ}}
-        for run, stderr in ((0, "/no/such/dir/stderr"), (1, str(tmp_path / "stderr"))):
+        for run, stderr in ((0, "/no/such/dir/stderr"), (1, str(tmp_path / "stderr")), (2, str(tmp_path / "gone"))):
             request = {**base, "run": run, "stderr": stderr, "env": {**base["env"], "OUT": str(tmp_path / f"{run}.json")}}
             zygote.stdin.write(json.dumps(request) + "\n")
             zygote.stdin.flush()
-        refused = json.loads(zygote.stdout.readline())
-        assert refused["exited"] == 0 and refused["code"] == 1 and "No such file" in refused["error"], refused
-        assert json.loads(zygote.stdout.readline())["started"] == 1
-        assert json.loads(zygote.stdout.readline()) == {"exited": 1, "code": 0}
-        assert (tmp_path / "stderr").read_text() == "a line on stderr\n" and not (tmp_path / "0.json").exists()
+        messages = [json.loads(zygote.stdout.readline()) for _ in range(4)]
+        refused = [m for m in messages if "error" in m]
+        assert [(m["exited"], m["code"]) for m in refused] == [(0, 1), (2, 1)], messages
+        assert all("No such file" in m["error"] for m in refused), refused
+        assert [m["started"] for m in messages if "started" in m] == [1], messages
+        assert [m for m in messages if "exited" in m and "error" not in m] == [{"exited": 1, "code": 0}], messages
+        assert (tmp_path / "stderr").read_text() == "a line on stderr\n"
+        assert not (tmp_path / "0.json").exists() and not (tmp_path / "2.json").exists()
+        assert not (tmp_path / "gone").exists(), "a removed stderr file was made anew"
     finally:
         zygote.stdin.close()
         zygote.wait(30)
