@@ -41,7 +41,8 @@ class RunStatus:
     last_step_at: float | None = None
     groups_in_learner: int = 0  # accepted by the learner and not yet consumed or dropped
     since_step: Counter[str] = field(default_factory=Counter)  # fates since the last step
-    equal_rewards: Counter[float] = field(default_factory=Counter)  # all-equal groups by common reward
+    # All-equal groups by the reward their scored samples share (None: fewer than two scored).
+    equal_rewards: Counter[float | None] = field(default_factory=Counter)
     learner_down_since: float | None = None
     step_failures: int = 0
     # rollout.grouping step: forks opened and closed so far (None: trajectory groups).
@@ -61,12 +62,13 @@ class RunStatus:
 ALIKE_AFTER = 3
 
 
-def shared_rewards(equal_rewards: Counter[float], named: int = 3) -> str:
+def shared_rewards(equal_rewards: Counter[float | None], named: int = 3) -> str:
     """'1 in 3 groups, 0 in 1 group': the rewards all-equal groups shared, most common first; a
     graded reward's long tail is counted, not listed."""
-    ranked = sorted(equal_rewards.items(), key=lambda item: (-item[1], item[0]))
+    ranked = sorted(equal_rewards.items(), key=lambda item: (-item[1], item[0] is None, item[0] or 0.0))
     named = len(ranked) if len(ranked) <= named + 1 else named  # "and 1 groups at 1 other rewards" says less
-    text = ", ".join(f"{reward:g} in {n} group{'' if n == 1 else 's'}" for reward, n in ranked[:named])
+    labels = {reward: "fewer than two scored" if reward is None else f"{reward:g}" for reward, _ in ranked}
+    text = ", ".join(f"{labels[reward]} in {n} group{'' if n == 1 else 's'}" for reward, n in ranked[:named])
     rest = ranked[named:]
     if rest:
         text += f", and {sum(n for _, n in rest)} groups at {len(rest)} other rewards"

@@ -24,7 +24,7 @@ import asyncio
 import time
 from collections import Counter
 
-from sciproto.pb import learner_pb2
+from sciproto.pb import common_pb2, learner_pb2
 
 FATES = (
     "consumed",
@@ -44,6 +44,13 @@ _DUPLICATE_FATES = {
 }
 
 
+def shared_reward(group: learner_pb2.RolloutGroup) -> float | None:
+    """The reward the scored samples of a group without signal share (as the learner judges it:
+    learner.buffer); None when fewer than two were scored."""
+    scored = [r.reward.value for r in group.rollouts if r.reward.status == common_pb2.REWARD_STATUS_SCORED]
+    return round(scored[0], 3) if len(scored) >= 2 else None
+
+
 class GroupLedger:
     """The groups generated and not yet settled, and the fate of every settled one."""
 
@@ -57,7 +64,7 @@ class GroupLedger:
         # Fates since the last step result, and the groups the learner accepted since then.
         self.since_step: Counter[str] = Counter()
         # The common reward of each all-equal group since the last step: all right, or all wrong?
-        self.equal_rewards: Counter[float] = Counter()
+        self.equal_rewards: Counter[float | None] = Counter()
         self.resent = 0
 
     def add(self, request: learner_pb2.TrainStepRequest) -> None:
@@ -72,8 +79,8 @@ class GroupLedger:
         request = self.unsettled.pop(group_id, None)
         if request is None:
             return 0  # settled twice: kept in `fates` for whoever checks
-        if fate == "skipped_equal" and request.group.rollouts:
-            self.equal_rewards[round(request.group.rollouts[0].reward.value, 3)] += 1
+        if fate == "skipped_equal":
+            self.equal_rewards[shared_reward(request.group)] += 1
         self.sent.discard(group_id)
         self.accepted.discard(group_id)
         self.counts[fate] += 1
@@ -177,4 +184,4 @@ class Flow:
         )
 
 
-__all__ = ["FATES", "Flow", "GroupLedger"]
+__all__ = ["FATES", "Flow", "GroupLedger", "shared_reward"]

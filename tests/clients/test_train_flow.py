@@ -109,7 +109,9 @@ def test_the_notice_of_all_equal_groups_tells_solved_tasks_from_a_stuck_policy()
     # Run 5's last half hour solved nearly every task and read "the policy answers alike", the words
     # of a policy stuck on wrong answers; the groups' common reward tells the two apart.
     def group(name: str, reward: float) -> learner_pb2.TrainStepRequest:
-        rollouts = [learner_pb2.Rollout(sample_index=i, reward=common_pb2.Reward(value=reward)) for i in range(4)]
+        scored = common_pb2.REWARD_STATUS_SCORED
+        rollouts = [learner_pb2.Rollout(sample_index=i, reward=common_pb2.Reward(value=reward, status=scored))
+                    for i in range(4)]
         return learner_pb2.TrainStepRequest(group=learner_pb2.RolloutGroup(group_id=name, rollouts=rollouts))
 
     ledger = GroupLedger()
@@ -134,6 +136,26 @@ def test_the_notice_of_all_equal_groups_tells_solved_tasks_from_a_stuck_policy()
                           " 7 other rewards"), cause
     ledger.on_step(learner_pb2.OptimizerStepResult())
     assert not ledger.equal_rewards, "counted since the last step"
+
+
+def test_the_shared_reward_is_that_of_the_scored_samples() -> None:
+    # The learner finds no signal in a group whose scored samples agree, or that has fewer than two
+    # scored: an unscored sample (an episode cut short) carries reward 0 and is no "scored 0".
+    def rollout(reward: float, status: int) -> learner_pb2.Rollout:
+        return learner_pb2.Rollout(reward=common_pb2.Reward(value=reward, status=status))
+
+    scored, unscored = common_pb2.REWARD_STATUS_SCORED, common_pb2.REWARD_STATUS_UNSCORED
+    groups = {"cut-first": [rollout(0.0, unscored), rollout(1.0, scored), rollout(1.0, scored)],
+              "one-scored": [rollout(0.0, unscored), rollout(0.0, unscored), rollout(1.0, scored)]}
+    ledger = GroupLedger()
+    for name, rollouts in groups.items():
+        ledger.add(learner_pb2.TrainStepRequest(group=learner_pb2.RolloutGroup(group_id=name, rollouts=rollouts)))
+        ledger.on_receipt(receipt(name, "no_signal"))
+    status = RunStatus(batch_groups=1, started=0.0, rollouts_finished=6, since_step=Counter(skipped_equal=3),
+                       equal_rewards=ledger.equal_rewards)
+    assert ledger.equal_rewards == Counter({1.0: 1, None: 1}), ledger.equal_rewards
+    assert stall_cause(status, now=61.0).split("answers alike: ")[1].startswith(
+        "every sample scored 1 in 1 group, fewer than two scored in 1 group"), stall_cause(status, now=61.0)
 
 
 def test_the_live_line_gives_generation_speed_from_when_generation_began() -> None:
