@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, PromptTokenizer, register
+from policy_server.tokenizing import longest_token_chars
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
 from sciproto.pb import POLICY_SERVICE
@@ -30,11 +31,20 @@ log = logging.getLogger("policy_server")
 
 SECTION = "policy"  # in a config file shared by every component, the policy server reads this section
 
-# Backends other than `transformers` pull in heavy optional packages: imported only when chosen.
-# Each module offers `build_backend(config: PolicyServerConfig) -> PolicyBackend` whose backend
-# also has `prompt_token_ids(request) -> list[int]`.
-_OPTIONAL_BACKENDS = {"vllm": "policy_server.backends.vllm_backend",
-                      "openai": "policy_server.backends.openai_backend"}
+
+def _optional_backend(name: str) -> ModuleType:
+    """The module of a backend other than `transformers`: these pull in heavy optional packages, so
+    each is imported only when chosen. Each offers `build_backend(config: PolicyServerConfig) ->
+    PolicyBackend` whose backend also has `prompt_token_ids(request) -> list[int]`."""
+    if name == "vllm":
+        from policy_server.backends import vllm_backend
+
+        return vllm_backend
+    if name == "openai":
+        from policy_server.backends import openai_backend
+
+        return openai_backend
+    raise ConfigError(f"unknown backend {name!r}: use transformers, vllm or openai")
 
 
 def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> PolicyServerConfig:
@@ -55,10 +65,10 @@ def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptToke
                                       max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval,
                                       collective=config.weights.collective)
         tokenize = functools.partial(prompt_token_ids, loaded.tokenizer, stop_token_ids=loaded.stop_token_ids)
+        tokenize.tokenizer = loaded.tokenizer  # type: ignore[attr-defined]  # read by `start` for its length bound
         return backend, tokenize
-    module_name = _OPTIONAL_BACKENDS[config.backend]
     try:
-        module = importlib.import_module(module_name)
+        module = _optional_backend(config.backend)
     except ImportError as error:
         raise ConfigError(f"backend {config.backend!r} is not available here ({error}); install the "
                           f"sciproto[{config.backend}] extra or use backend=transformers") from error
@@ -70,7 +80,9 @@ async def start(config: PolicyServerConfig, authenticator: Authenticator | None)
     """Load the model and start serving it; returns at once (the caller stops the server).
     `serve` waits for a signal around it; a cluster engine's actor calls it directly."""
     backend, tokenize = build_backend(config)
-    servicer = PolicyServicer(backend, tokenize, config)
+    tokenizer = getattr(tokenize, "tokenizer", None) or getattr(backend, "_tokenizer", None)
+    servicer = PolicyServicer(backend, tokenize, config,
+                              longest_token_chars(tokenizer) if tokenizer is not None else None)
     service = Service(POLICY_SERVICE, servicer, register)
     running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
                                  auth=authenticator)

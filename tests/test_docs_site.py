@@ -50,8 +50,8 @@ def test_every_page_is_built(site: Path) -> None:
 
 
 def test_reference_pages_are_written_from_the_code(site: Path) -> None:
+    from clients.cli import app
     from clients.train import TrainConfig
-    from sciproto.cli import app
 
     configuration = page_text(site, "reference/configuration")
     grpo = TrainConfig().learner.grpo

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sciproto.cli import app
+from clients.cli import app
 from sciproto.processes import sciproto_command, start_server
 
 ROOT = Path(__file__).resolve().parents[1]

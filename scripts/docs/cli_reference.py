@@ -1,4 +1,4 @@
-"""The command-line reference, written from the `sciproto` command's own help (sciproto/cli.py).
+"""The command-line reference, written from the `sciproto` command's own help (clients/cli.py).
 
 Each command gets its usage line, its help text, and a table of its arguments and options with
 their defaults, as `sciproto COMMAND --help` states them. Typer's command objects are read by
@@ -65,7 +65,7 @@ def cli_reference() -> str:
     """The Markdown of every `sciproto` command."""
     import typer
 
-    from sciproto.cli import app
+    from clients.cli import app
 
     root = typer.main.get_command(app)
     return "\n".join(render_command(path, command) for path, command in commands(root, ()))

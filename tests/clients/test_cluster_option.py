@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 # The CLI in a Python that cannot import Ray (as where the sciproto[ray] extra is not installed).
-WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from sciproto.cli import main; main(sys.argv[1:])"
+WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from clients.cli import main; main(sys.argv[1:])"
 
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

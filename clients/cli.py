@@ -1,4 +1,4 @@
-"""The `sciproto` command.
+"""The `sciproto` command: an application, above every component it starts.
 
 Sub-commands import their component lazily, so `sciproto --help` and
 `sciproto describe` start fast and need neither torch nor Aviary.
@@ -11,7 +11,6 @@ command line, shows the traceback instead; see `sciproto.cli_errors`).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import json
 import logging
@@ -51,8 +50,22 @@ def _setup_logging(verbose: bool) -> None:
     quiet.expected_startup_noise()
 
 
+DEBUG_HELP = "--debug (anywhere on the command line): on a failure, show the traceback instead of one line."
+
+
+def _mention_debug(typer_app: typer.Typer) -> None:
+    """Every command's --help says what --debug does: every failure's message advises it."""
+    typer_app.info.epilog = typer_app.info.epilog or DEBUG_HELP
+    for command in typer_app.registered_commands:
+        command.epilog = command.epilog or DEBUG_HELP
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _mention_debug(group.typer_instance)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run `sciproto ARGV` (default: the process's arguments) and exit with its status."""
+    _mention_debug(app)
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
@@ -70,10 +83,6 @@ def _server_overrides(component: str, host: str | None, port: int | None, auth: 
     flags += [f"server.host={host}"] if host is not None else []
     flags += [f"auth.file={auth}"] if auth is not None else []
     return [f"server.port?={DEFAULT_PORTS[component]}", *(extra or []), *flags]
-
-
-def _run_component(module: str, config: str | None, overrides: list[str]) -> None:
-    importlib.import_module(module).main(config, overrides)
 
 
 @serve_app.command("env")
@@ -95,9 +104,13 @@ def serve_env(
     if env:
         overrides.append(f"envs=[{','.join(env)}]")
     if workers > 1:
-        importlib.import_module("env_servers.workers").main(config, overrides, workers, verbose)
+        from env_servers.workers import main as serve_workers
+
+        serve_workers(config, overrides, workers, verbose)
         return
-    _run_component("env_servers.app", config, overrides)
+    from env_servers.app import main as serve
+
+    serve(config, overrides)
 
 
 @serve_app.command("policy")
@@ -116,7 +129,9 @@ def serve_policy(
     overrides = _server_overrides("policy", host, port, auth, set_)
     overrides += [f"model={model}"] if model else []
     overrides += [f"backend={backend}"] if backend else []
-    _run_component("policy_server.app", config, overrides)
+    from policy_server.app import main as serve
+
+    serve(config, overrides)
 
 
 @serve_app.command("learner")
@@ -130,7 +145,9 @@ def serve_learner(
 ) -> None:
     """Serve the GRPO learner over LearnerService."""
     _setup_logging(verbose)
-    _run_component("learner.app", config, _server_overrides("learner", host, port, auth, set_))
+    from learner.app import main as serve
+
+    serve(config, _server_overrides("learner", host, port, auth, set_))
 
 
 @serve_app.command("gateway")
@@ -151,7 +168,9 @@ def serve_gateway(
 ) -> None:
     """Serve an OpenAI-compatible HTTP API over the policy servers, recording sessions for training."""
     _setup_logging(verbose)
-    importlib.import_module("gateway.app").main_with(
+    from gateway.app import main_with
+
+    main_with(
         policies=policy, host=host or "127.0.0.1", port=port, model_names=model_name or [], auth_file=auth,
         policy_token_file=policy_token_file, rollouts_file=rollouts, max_sessions=max_sessions,
         idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens, max_held_records=max_held_records)
@@ -173,7 +192,9 @@ def agent_collect(
                                                       "must be PYTHON SCRIPT [ARGS])")] = None,
 ) -> None:
     """Run an external OpenAI-API agent over an env's tasks through the gateway; write rollouts."""
-    importlib.import_module("clients.agent_command").main(
+    from clients.agent_command import main as run_agents
+
+    run_agents(
         env_target=env, policy_target=policy, env=task_env, split=split, tasks=range(tasks), group_size=group_size,
         command=command, out=out, timeout_s=timeout, preload=tuple(preload or ()))
 
@@ -302,7 +323,9 @@ def collect(
 ) -> None:
     """Run the agent loop over a task split and write one JSON line per rollout."""
     _setup_logging(verbose)
-    importlib.import_module("clients.collect").main(
+    from clients.collect import main as run_collect
+
+    run_collect(
         env=env, policy=policy, tasks=tasks, output=output, limit=limit, samples=samples,
         concurrency=concurrency, config=config,
         overrides=list(set_ or []) + ([f"rollouts={rollouts}"] if rollouts else []),
@@ -325,7 +348,9 @@ def demonstrate(
     at the top, as rollouts with the model's own tokens (training demonstrations for an sft phase)."""
     _setup_logging(verbose)
     try:
-        summary = importlib.import_module("clients.demonstrations").main(
+        from clients.demonstrations import main as run_demonstrations
+
+        summary = run_demonstrations(
             env=env, model=model, tasks=tasks, output=output, limit=limit, min_reward=min_reward,
             concurrency=concurrency, max_tokens=max_tokens)
     except ValueError as error:
@@ -356,12 +381,13 @@ def eval_(
 ) -> None:
     """Pass rates of a policy (server or checkpoint) on a split; reward analysis and curriculum."""
     _setup_logging(verbose)
-    module = importlib.import_module("clients.eval")
+    from clients.eval import main as run_eval
+
     try:
-        module.main(env=env, policy=list(policy or []), checkpoint=checkpoint, tasks=tasks, output=output,
-                    limit=limit, greedy=greedy, samples=samples, concurrency=concurrency,
-                    write_curriculum=write_curriculum, min_pass_rate=min_pass_rate, max_pass_rate=max_pass_rate,
-                    model=model, config=config, overrides=list(set_ or []))
+        run_eval(env=env, policy=list(policy or []), checkpoint=checkpoint, tasks=tasks, output=output,
+                 limit=limit, greedy=greedy, samples=samples, concurrency=concurrency,
+                 write_curriculum=write_curriculum, min_pass_rate=min_pass_rate, max_pass_rate=max_pass_rate,
+                 model=model, config=config, overrides=list(set_ or []))
     except Exception as error:
         if debug:
             raise
@@ -390,7 +416,9 @@ def train(
     overrides = (list(set_ or []) + (["run.resume=false"] if fresh else [])
                  + ([f"cluster.engine={cluster}"] if cluster else [])
                  + ([f"cluster.address={ray_address}"] if ray_address else []))
-    importlib.import_module("clients.train").main(config, overrides)
+    from clients.train import main as run_train
+
+    run_train(config, overrides)
 
 
 @app.command()
@@ -400,4 +428,10 @@ def view(
     open_browser: Annotated[bool, typer.Option("--open/--no-open", help="Open the page in a browser")] = False,
 ) -> None:
     """Serve a local page to browse rollouts: table, filters, reward histogram, transcripts."""
-    importlib.import_module("clients.viewer").main(rollouts, port=port, open_browser=open_browser)
+    from clients.viewer import main as serve_viewer
+
+    serve_viewer(rollouts, port=port, open_browser=open_browser)
+
+
+if __name__ == "__main__":
+    main()
