@@ -37,6 +37,7 @@ from opentelemetry.trace import Span
 from policy_server import convert
 from policy_server.backends.base import PolicyBackend
 from policy_server.config import PolicyServerConfig
+from policy_server.tokenizing import PromptTooLong, Tokenizing
 from policy_server.types import GenerationRequest, SampleResult, TokenDelta
 from sciproto.errors import (
     DeadlineExceeded,
@@ -71,9 +72,12 @@ NCCL_CAPABILITY = "weight_updates_nccl"  # a backend capability: takes NCCL-tran
 
 
 class PolicyServicer(policy_grpc.PolicyServiceServicer):
-    def __init__(self, backend: PolicyBackend, tokenize: PromptTokenizer, config: PolicyServerConfig) -> None:
+    def __init__(self, backend: PolicyBackend, tokenize: PromptTokenizer, config: PolicyServerConfig,
+                 longest_token_chars: int | None = None) -> None:
         self._backend = backend
-        self._tokenize = tokenize
+        # Long prompts are tokenized off the event loop, and one that cannot fit is refused before
+        # tokenizing (policy_server.tokenizing).
+        self._tokenize = Tokenizing(tokenize, lambda: self._backend.info().max_context, longest_token_chars)
         self._config = config
         self._active: set[object] = set()  # one token per running Generate call
         self._update_lock = asyncio.Lock()
@@ -114,7 +118,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             if info.unavailable:
                 raise Unavailable(f"this server cannot sample now: {info.unavailable}", Reason.WEIGHTS_UNAVAILABLE,
                                   retry_after_s=5.0)
-            backend_request = self._backend_request(request)
+            backend_request = await self._backend_request(request)
             version = info.policy_version
             _record_request(span, backend_request, version)
             samples: list[SampleResult] = []
@@ -135,12 +139,16 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                 self._active.discard(call)
                 _record_samples(span, samples)
 
-    def _backend_request(self, request: policy_pb2.GenerateRequest) -> GenerationRequest:
+    async def _backend_request(self, request: policy_pb2.GenerateRequest) -> GenerationRequest:
         """The request as prompt token ids, or InvalidArgument saying what to fix."""
         max_samples = self._config.max_samples_per_request
         try:
             parsed = convert.generation_request(request, self._config.default_max_tokens, max_samples)
-            prompt = self._tokenize(parsed)
+            prompt = await self._tokenize(parsed)
+        except PromptTooLong as error:
+            raise InvalidArgument(f"{error}", Reason.PROMPT_TOO_LONG, metadata={
+                "prompt_chars": str(error.chars), "prompt_tokens_at_least": str(error.at_least),
+                "max_context_tokens": str(error.max_context)}) from error
         except ValueError as error:
             raise InvalidArgument(f"{error}", Reason.INVALID_REQUEST) from error
         max_context = self._backend.info().max_context
