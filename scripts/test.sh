@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run the test suite: sets up .venv, a headless Chromium for the viewer and documentation site tests,
-# bubblewrap for the notebook sandbox, gRPC C++ for the C++ client test, then pytest. Extra arguments go to pytest
+# bubblewrap for the notebook sandbox, gRPC C++ for the C++ client test, the vLLM wheels of the source
+# check, then pytest in a loopback-only network namespace (below). Extra arguments go to pytest
 # (e.g. scripts/test.sh -k env).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-scripts/setup-venv.sh
+scripts/setup-venv.sh --full
 
 # Debian packages some tests need, installed only when missing and only as root;
 # the package index is refreshed at most once per run. Without them those tests skip.
@@ -53,5 +54,27 @@ if ! cpp_toolchain_ready && can_apt_install; then
     || echo "gRPC C++ could not be installed; the C++ client test will be skipped" >&2
 fi
 
+# The vLLM wheels whose source tests/policy_server/test_vllm_source.py reads (not installed; cached
+# in ~/.cache/sciproto/wheels, or SCIPROTO_WHEEL_CACHE): fetched here, since the tests reach no registry.
+.venv/bin/python - <<'PY' || echo "the vLLM wheels could not be fetched; the vLLM source check will skip" >&2
+import sys
+sys.path.insert(0, "tests/policy_server")
+from vllm_source import wheel_path
+from policy_server.backends.vllm_api import RELEASES
+for package, (version, _) in RELEASES.items():
+    wheel_path(version, package=package)
+PY
+
 export LITELLM_LOCAL_MODEL_COST_MAP=True
-exec .venv/bin/python -m pytest -q "$@"
+pytest=(.venv/bin/python -m pytest -q "$@")
+# pytest runs in a network namespace of its own whose only interface is loopback: nothing a test
+# starts (servers, browsers, Ray, whose dashboard probes the cloud metadata address) reaches
+# anything but this machine. Everything fetched from a registry is fetched above, before it.
+if command -v unshare >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 \
+    && unshare -n sh -c 'ip link set lo up' 2>/dev/null; then
+  export SCIPROTO_TEST_NETWORK=loopback
+  exec unshare -n sh -c 'ip link set lo up && exec "$@"' sh "${pytest[@]}"
+fi
+echo "unshare -n is not permitted here (needs root or CAP_SYS_ADMIN, and ip): the tests run with this machine's network" >&2
+export SCIPROTO_TEST_NETWORK=host
+exec "${pytest[@]}"
