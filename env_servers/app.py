@@ -13,7 +13,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything
 
 
 from env_servers import scratch
-from env_servers.catalog import EnvironmentSource, load_source
+from env_servers.catalog import EnvironmentSource, import_modules, load_source
 from env_servers.config import EnvServerConfig
 from env_servers.sandbox import SandboxUnavailable
 from env_servers.service import EnvironmentService
@@ -41,6 +41,10 @@ def load_settings(config: str | None, overrides: list[str]) -> EnvServerConfig:
 
 
 def load_sources(settings: EnvServerConfig) -> dict[str, EnvironmentSource]:
+    try:
+        import_modules(settings.imports)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     sources = {}
     for name in settings.envs:
         try:

@@ -7,11 +7,16 @@
     ...
     await env.close()
 
-Built-in names come first; any other name falls back to environments Aviary itself knows
-(`TaskDataset.from_name`, then `Environment.from_name`).
+Built-in names come first, then names a module of the user's registered (`register`, from a
+module the server imports: `imports` in its config); any other name falls back to environments
+Aviary itself knows (`TaskDataset.from_name`, then `Environment.from_name`).
 """
 
-from collections.abc import Callable
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from env_servers.envs.source import (
     FORK_COPY,
@@ -55,14 +60,54 @@ _BUILTINS: dict[str, Callable[[SourceOptions], EnvironmentSource]] = {
 }
 
 
+# Sources registered by the modules named in a server's `imports`, by environment name.
+_REGISTERED: dict[str, Callable[[SourceOptions], EnvironmentSource]] = {}
+
+
 def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
 
+def register(name: str, factory: Callable[[SourceOptions], EnvironmentSource]) -> None:
+    """Host `factory(options)` under `name`: called by a module of the user's that the server
+    imports (`imports` in the env server's config), for an environment of its own."""
+    if name in _BUILTINS:
+        raise ValueError(f"{name!r} is a built-in environment; register yours under another name")
+    _REGISTERED[name] = factory
+
+
+def import_modules(imports: Sequence[str]) -> None:
+    """Import each of `imports`, a module name or the path of a .py file (relative to the working
+    directory), so that it can `register` its environments. Raises ValueError saying which
+    could not be imported and why."""
+    for entry in imports:
+        try:
+            if entry.endswith(".py"):
+                path = Path(entry).resolve()
+                if not path.is_file():
+                    raise FileNotFoundError(f"no file {path}")
+                name = f"sciproto_user_{path.stem}"
+                if name in sys.modules:
+                    continue
+                spec = importlib.util.spec_from_file_location(name, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+            else:
+                importlib.import_module(entry)
+        except Exception as error:
+            raise ValueError(f"imports: {entry!r} could not be imported: {type(error).__name__}: {error}") from error
+
+
 def check_name(name: str) -> None:
     """Raise ValueError, saying what is available or what to install, unless `name` is a
-    built-in or an Aviary environment whose package is installed; builds nothing."""
-    if name in _BUILTINS:
+    built-in, a registered name or an Aviary environment whose package is installed; builds nothing."""
+    if name in _BUILTINS or name in _REGISTERED:
         return
     from env_servers.envs.aviary_registry import aviary_names, missing_package
 
@@ -72,7 +117,7 @@ def check_name(name: str) -> None:
     if name not in aviary_names():
         raise ValueError(
             f"unknown environment {name!r}; built-in environments: {builtin_names()};"
-            f" other names Aviary can build: {aviary_names()}"
+            f" registered by imports: {sorted(_REGISTERED)}; other names Aviary can build: {aviary_names()}"
         )
 
 
@@ -84,6 +129,8 @@ def load_source(name: str, options: SourceOptions | None = None) -> EnvironmentS
     options = dict(options or {})
     if name in _BUILTINS:
         return _BUILTINS[name](options)
+    if name in _REGISTERED:
+        return _REGISTERED[name](options)
     check_name(name)
 
     from aviary.env import TASK_DATASET_REGISTRY
@@ -106,6 +153,8 @@ __all__ = [
     "RescoreUnsupportedError",
     "builtin_names",
     "check_name",
+    "import_modules",
     "load_source",
+    "register",
     "reward_components",
 ]

@@ -22,6 +22,10 @@ class EnvServerConfig(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
     envs: list[str] = Field(default_factory=builtin_names, min_length=1,
                             description="Environments to host: built-in names or names Aviary knows")
+    imports: list[str] = Field(
+        default_factory=list, description="Python modules to import first (module names, or paths of .py files"
+        " relative to the working directory): each may register environments of its own"
+        " (env_servers.catalog.register) for envs to name")
     env_options: dict[str, dict[str, str | list[str]]] = Field(
         default_factory=dict, description="Per-environment source options, by environment name (text, or a"
         " list of names where the option takes one, such as the notebook's preload)")

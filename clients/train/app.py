@@ -104,7 +104,7 @@ def main(config: str | None, overrides: list[str]) -> TrainOutcome:
     """`sciproto train`: see the module docstring."""
     try:
         settings = load_train_config(config or "demo", overrides)
-        check_envs(settings.env.envs)
+        check_envs(settings.env.envs, settings.env.imports)
         check_agent_preload(settings.rollout.agent)
     except ConfigError as error:
         raise SystemExit(f"sciproto train: {error}") from None

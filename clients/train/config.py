@@ -17,7 +17,7 @@ from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
 from clients.train.cluster import ClusterSettings
 from clients.train.phases import Phase, check_phases
-from env_servers.catalog import check_name
+from env_servers.catalog import check_name, import_modules
 from env_servers.config import EnvServerConfig
 from learner.server_config import LearnerServerConfig
 from policy_server.config import PolicyServerConfig
@@ -302,8 +302,13 @@ def load_train_config(config: str | Path, overrides: Sequence[str] = ()) -> Trai
     return load_config(TrainConfig, config, list(overrides))
 
 
-def check_envs(names: Sequence[str]) -> None:
-    """Refuse, before any server starts, an environment the env server could not host."""
+def check_envs(names: Sequence[str], imports: Sequence[str] = ()) -> None:
+    """Refuse, before any server starts, an environment the env server could not host (after
+    importing the modules that may register it)."""
+    try:
+        import_modules(imports)
+    except ValueError as error:
+        raise ConfigError(f"env.{error}") from None
     for name in names:
         try:
             check_name(name)
