@@ -12,17 +12,61 @@ from typing import Any
 from gateway.errors import ApiError
 from sciproto.pb import common_pb2, policy_pb2
 
-__all__ = ["FINISH_NAMES", "ChatCall", "Choice", "chunk_object", "completion_object", "parse_chat_request"]
+__all__ = ["FINISH_NAMES", "KNOWN", "ChatCall", "Choice", "check_fields", "chunk_object", "completion_object",
+           "parse_chat_request"]
 
 _ROLES = {"system": common_pb2.ROLE_SYSTEM, "developer": common_pb2.ROLE_SYSTEM, "user": common_pb2.ROLE_USER,
           "assistant": common_pb2.ROLE_ASSISTANT, "tool": common_pb2.ROLE_TOOL}
 FINISH_NAMES = {policy_pb2.FINISH_REASON_STOP: "stop", policy_pb2.FINISH_REASON_LENGTH: "length",
                 policy_pb2.FINISH_REASON_ABORT: "abort", policy_pb2.FINISH_REASON_UNSPECIFIED: "stop"}
-# Parameters an agent may send that would change sampling in a way Generate cannot do: refused,
-# never ignored silently. Their neutral values pass.
-_NEUTRAL = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False)}
 MAX_N = 64
+
+# Every top-level field of OpenAI's chat-completions body (the `openai` SDK's
+# CompletionCreateParams), and the sampling extensions vLLM's server takes, is one of three kinds;
+# any other key is refused with a 400 naming it (as OpenAI answers an unknown argument). A null
+# value is the field left out. docs/guides/own-agent.md has the table and the reason for each.
+# Honoured: read by parse_chat_request into the Generate request (or the answer's shape).
+HONOURED = frozenset({"messages", "model", "tools", "tool_choice", "n", "temperature", "top_p", "top_k",
+                      "max_tokens", "max_completion_tokens", "stop", "seed", "logprobs", "top_logprobs", "stream",
+                      "stream_options"})
+# Bookkeeping: they say who asks or how to cache, and change nothing the model samples; checked
+# for their type, then not kept.
+BOOKKEEPING: dict[str, type] = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict,
+                                "prompt_cache_options": dict, "prompt_cache_retention": str}
+# Refused unless at the value that asks for nothing beyond sampling as Generate does it (None:
+# no value but null passes). A penalty, a bias, a format, audio or a reasoning setting would
+# change what is sampled in a way the policy servers do not apply, so the learner would train
+# tokens under a distribution other than the one that drew them.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "parallel_tool_calls": (True,),
+    "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default"),
+    "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
+    "moderation": (), "functions": (), "function_call": (),
+}
+_REFUSALS = {
+    "presence_penalty": "the policy servers apply no penalties; leave it out or send 0",
+    "frequency_penalty": "the policy servers apply no penalties; leave it out or send 0",
+    "repetition_penalty": "the policy servers apply no penalties; leave it out or send 1",
+    "min_p": "the policy servers apply no min-p truncation; leave it out or send 0 (top_p and top_k are honoured)",
+    "logit_bias": "the policy servers apply no logit bias; leave it out",
+    "response_format": "the policy samples free text; send {'type': 'text'} or leave it out",
+    "parallel_tool_calls": "the policy may write several tool calls in one turn and the gateway cannot stop it; "
+                           "leave it out or send true",
+    "modalities": "this model writes text only; send ['text'] or leave it out",
+    "store": "this gateway keeps no completions (sessions record the tokens); leave it out or send false",
+    "service_tier": "this gateway has one tier; send 'auto' or 'default', or leave it out",
+    "audio": "this model writes text only; leave it out",
+    "prediction": "predicted outputs are not supported; leave it out",
+    "reasoning_effort": "the policy has no reasoning-effort setting; leave it out",
+    "verbosity": "the policy has no verbosity setting; leave it out",
+    "web_search_options": "there is no web search here; leave it out",
+    "moderation": "this gateway runs no moderation; leave it out",
+    "functions": "the legacy `functions` list is not supported; send the same functions as tools=[{'type': "
+                 "'function', 'function': {...}}] (tool calls come back as `tool_calls`)",
+    "function_call": "the legacy `function_call` is not supported; send tools with tool_choice 'auto' or 'none'",
+}
+KNOWN = HONOURED | BOOKKEEPING.keys() | NEUTRAL.keys()
 
 
 @dataclass
@@ -37,6 +81,7 @@ class ChatCall:
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     max_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
@@ -47,6 +92,8 @@ class ChatCall:
     def generate_request(self, previous_token_ids: list[int], request_id: str) -> policy_pb2.GenerateRequest:
         sampling = policy_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p,
                                              max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
+        if self.top_k is not None:  # set only where the protocol carries it (see _top_k)
+            sampling.top_k = self.top_k
         chat = policy_pb2.ChatPrompt(messages=self.messages, tools=self.tools, previous_token_ids=previous_token_ids)
         return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling, n=self.n)
 
@@ -142,6 +189,11 @@ def _message(raw: Any, i: int) -> tuple[common_pb2.ChatMessage, dict[str, Any]]:
     role = raw.get("role")
     if role not in _ROLES:
         raise _fail(f"{where}.role is {role!r}; use one of {sorted(_ROLES)}", f"{where}.role")
+    if raw.get("function_call") is not None:
+        raise _fail(f"{where}.function_call is the legacy form of a tool call; send it as tool_calls=[{{'id', "
+                    "'type': 'function', 'function': {'name', 'arguments'}}]", f"{where}.function_call")
+    if raw.get("audio") is not None:
+        raise _fail(f"{where}.audio is not supported: this model reads and writes text only", f"{where}.audio")
     content = _content_text(raw.get("content"), where)
     calls: list[tuple[str, str, str]] = []
     for j, call in enumerate(raw.get("tool_calls") or []):
@@ -199,6 +251,68 @@ def _top_p(body: dict[str, Any]) -> float | None:
     return value
 
 
+def _is_neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """`value` is null or one of `allowed`, compared as JSON compares (true is not 1)."""
+    if value is None:
+        return True
+    for choice in allowed:
+        if isinstance(choice, bool) or not isinstance(choice, int | float):
+            if type(value) is type(choice) and value == choice:
+                return True
+        elif isinstance(value, int | float) and not isinstance(value, bool) and value == choice:
+            return True
+    return False
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, dict | list) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """Refuse a key this gateway does not know, a field it cannot honour at the value sent, and
+    bookkeeping of the wrong type; every refusal names the field."""
+    for key, value in body.items():
+        if key not in KNOWN:
+            raise ApiError(400, f"unknown parameter {key!r}: this gateway takes OpenAI's chat-completions fields "
+                           "(and the top_k extension); leave it out", param=key, code="unknown_parameter")
+        if key in NEUTRAL and not _is_neutral(value, NEUTRAL[key]):
+            raise ApiError(400, f"{key}={_short(value)} is not supported: {_REFUSALS[key]}", param=key,
+                           code="unsupported_parameter")
+        kind = BOOKKEEPING.get(key)
+        if kind is not None and value is not None and not isinstance(value, kind):
+            raise _fail(f"{key} must be a {'string' if kind is str else 'JSON object'}, got {_short(value)}", key)
+
+
+def _top_k(body: dict[str, Any]) -> int | None:
+    """top_k (vLLM's extension): sample among the k likeliest tokens (SamplingParams.top_k); 0 or
+    -1 (vLLM's "off") and null leave it unset."""
+    value = _integer(body, "top_k", -1, (1 << 32) - 1)
+    if value is None or value in (0, -1):
+        return None
+    if "top_k" not in policy_pb2.SamplingParams.DESCRIPTOR.fields_by_name:  # a protocol before 1.3
+        raise ApiError(400, "top_k is not supported by this gateway's policy protocol; leave it out (top_p is "
+                       "honoured)", param="top_k", code="unsupported_parameter")
+    return value
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """stream_options: include_usage (honoured) and include_obfuscation (no padding is sent
+    either way: it changes the events' size, never their content). Returns include_usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _fail("stream_options must be an object: {'include_usage': bool}", "stream_options")
+    for key, value in options.items():
+        if key not in ("include_usage", "include_obfuscation"):
+            raise ApiError(400, f"unknown parameter stream_options.{key}: send include_usage (and "
+                           "include_obfuscation) only", param=f"stream_options.{key}", code="unknown_parameter")
+        if value is not None and not isinstance(value, bool):
+            raise _fail(f"stream_options.{key} must be true or false", f"stream_options.{key}")
+    return bool(options.get("include_usage"))
+
+
 def _integer(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -212,6 +326,7 @@ def parse_chat_request(body: Any, max_context_tokens: int) -> ChatCall:
     """Validate a request body; every refusal names the field and what to send instead."""
     if not isinstance(body, dict):
         raise _fail("the body must be a JSON object", "body")
+    check_fields(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _fail("model is required: a name from GET /v1/models", "model")
@@ -229,9 +344,6 @@ def parse_chat_request(body: Any, max_context_tokens: int) -> ChatCall:
                     "or 'none' (no tools in the prompt)", "tool_choice")
     if tool_choice == "none":
         tools = []
-    for key, neutral in _NEUTRAL.items():
-        if key in body and body[key] not in neutral:
-            raise _fail(f"{key}={body[key]!r} is not supported by this gateway; leave it out", key)
     top_logprobs = _integer(body, "top_logprobs", 0, 20)
     if top_logprobs:
         raise _fail("top_logprobs > 0 is not supported: the policy returns the sampled token's logprob only; "
@@ -246,7 +358,6 @@ def parse_chat_request(body: Any, max_context_tokens: int) -> ChatCall:
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise _fail("stop must be a string or a list of at most 4 non-empty strings", "stop")
-    stream_options = body.get("stream_options") or {}
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise _fail("logprobs must be true or false", "logprobs")
@@ -255,9 +366,9 @@ def parse_chat_request(body: Any, max_context_tokens: int) -> ChatCall:
         model=model, messages=[m for m, _ in parsed], normal_messages=[n for _, n in parsed],
         tools=[t for t, _ in tools], normal_tools=[n for _, n in tools],
         n=_integer(body, "n", 1, MAX_N) or 1, temperature=_number(body, "temperature", 0, 2),
-        top_p=_top_p(body), max_tokens=max_tokens or 0, stop=stops,
+        top_p=_top_p(body), top_k=_top_k(body), max_tokens=max_tokens or 0, stop=stops,
         seed=None if seed is None else seed % (1 << 64), logprobs=logprobs, stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+        include_usage=_stream_options(body))
 
 
 def completion_object(completion_id: str, model: str, created: int, choices: list[Choice], prompt_tokens: int,

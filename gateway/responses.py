@@ -13,9 +13,30 @@ from typing import Any
 from gateway.chat import ChatCall, Choice, parse_chat_request
 from gateway.errors import ApiError
 
-__all__ = ["as_responses_error", "chat_body", "output_items", "parse_responses_request", "response_object"]
+__all__ = ["KNOWN", "as_responses_error", "chat_body", "output_items", "parse_responses_request", "response_object"]
 
-_PASSED = ("model", "temperature", "top_p", "stream", "seed")  # seed: an extension, as in chat
+# Every top-level field of a Responses body (the `openai` SDK's ResponseCreateParams) is passed to
+# the chat-completions checks under the same name (which honour, accept or refuse it as
+# gateway.chat says), translated here, or refused unless neutral; any other key is refused with
+# a 400 naming it. seed, top_k, min_p and repetition_penalty are extensions, as in chat.
+_PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stream", "stream_options",
+           "seed", "top_logprobs", "user", "safety_identifier", "prompt_cache_key", "metadata",
+           "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls", "service_tier", "moderation")
+_TRANSLATED = ("input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "store",
+               "previous_response_id", "conversation")
+# Refused unless null or the value given: each asks for something this gateway does not do.
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "truncation": (("disabled",), ("this gateway never drops input items: a too-long input is refused with "
+                                  "context_length_exceeded; send 'disabled' or leave it out")),
+    "background": ((False,), "responses run in the foreground only; leave it out"),
+    "include": (([],), ("no extra output data is available (the sampled tokens are recorded in the session); "
+                       "leave it out")),
+    "reasoning": ((), "the policy has no reasoning settings; leave it out"),
+    "max_tool_calls": ((), "the gateway cannot bound the policy's tool calls; leave it out"),
+    "prompt": ((), "stored prompt templates are not kept here; send the prompt as instructions and input"),
+    "context_management": ((), "this gateway never compacts the input; leave it out"),
+}
+KNOWN = frozenset(_PASSED + _TRANSLATED) | _NEUTRAL.keys()
 
 
 def _fail(message: str, param: str) -> ApiError:
@@ -31,11 +52,36 @@ def _text(content: Any, where: str) -> Any:
     raise _fail(f"{where}.content must be a string or a list of input_text parts", f"{where}.content")
 
 
+def _text_options(text: Any) -> None:
+    """`text`: plain text output only ({"format": {"type": "text"}}), no verbosity setting."""
+    if text is None:
+        return
+    if not isinstance(text, dict):
+        raise _fail("text must be an object: {'format': {'type': 'text'}}", "text")
+    for key, value in text.items():
+        if key == "format" and value not in (None, {"type": "text"}):
+            raise ApiError(400, f"text.format {value!r} is not supported: the policy samples free text; send "
+                           "{'type': 'text'} or leave it out", param="text.format", code="unsupported_parameter")
+        if key == "verbosity" and value is not None:
+            raise ApiError(400, "text.verbosity is not supported: the policy has no verbosity setting; leave it out",
+                           param="text.verbosity", code="unsupported_parameter")
+        if key not in ("format", "verbosity"):
+            raise ApiError(400, f"unknown parameter text.{key}", param=f"text.{key}", code="unknown_parameter")
+
+
 def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
     """The chat-completions body a Responses request stands for, and where each of its messages
     came from in the request (`instructions`, `input[i]`), to name in errors."""
     if not isinstance(body, dict):
         raise _fail("the body must be a JSON object", "body")
+    for key, value in body.items():
+        if key not in KNOWN:
+            raise ApiError(400, f"unknown parameter {key!r}: this gateway takes the Responses API's fields (and "
+                           "the seed and top_k extensions); leave it out", param=key, code="unknown_parameter")
+        if key in _NEUTRAL and value is not None and value not in _NEUTRAL[key][0]:
+            raise ApiError(400, f"{key} is not supported at {value!r}: {_NEUTRAL[key][1]}", param=key,
+                           code="unsupported_parameter")
+    _text_options(body.get("text"))
     for key in ("previous_response_id", "conversation"):
         if body.get(key):
             raise _fail(f"{key} is not supported: this gateway keeps no responses; send the whole input each "
