@@ -31,6 +31,7 @@ from pathlib import Path
 from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, serve_checkpoint
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
+from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics
 
 
 def held_out_tasks(train_tasks: str) -> str:
@@ -69,9 +70,8 @@ async def evaluate_checkpoint(env_target: str, checkpoint: Path, config: EvalCon
 
 
 def train_figures(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (run_dir / "metrics.jsonl").is_file() else []
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    metrics = read_metrics(run_dir / METRICS_FILE)
 
     def mean_of(key: str) -> float | None:
         values = [m[key] for m in metrics if isinstance(m.get(key), int | float)]

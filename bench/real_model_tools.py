@@ -40,6 +40,7 @@ from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, 
 from clients.train import load_train_config
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import sciproto_command, start_server
+from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, checkpoint_dir, read_metrics
 
 SPLITS = ("gsm8k:short_test", "gsm8k:test")
 
@@ -125,8 +126,8 @@ def run_training(config: str, run_dir: Path, overrides: list[str]) -> None:
 
 
 def train_figures(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    metrics = read_metrics(run_dir / METRICS_FILE)
     sft = [m for m in metrics if m.get("objective") == "sft"]
     grpo = [m for m in metrics if m.get("objective") != "sft"]
     generated, no_signal = summary.get("groups_generated") or 0, summary.get("groups_refused", {}).get("no_signal", 0)
@@ -169,7 +170,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         trained = train_figures(run_dir)
         # The checkpoint where the sft phase ended; a run stopped inside it has only its final one.
         final = Path(trained["checkpoint"])
-        sft_checkpoint = run_dir / "checkpoints" / f"step_{sft_phase.steps:08d}"
+        sft_checkpoint = checkpoint_dir(run_dir, sft_phase.steps)
         if not trained["grpo_steps"]:
             sft_checkpoint = final
         sft = await evaluate_checkpoint(env.target, sft_checkpoint, config, args.limit, out, "sft")

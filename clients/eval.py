@@ -55,13 +55,18 @@ from sciproto.client.retries import Deadlines, RetryPolicy
 from sciproto.client.rollouts import RolloutRecord
 from sciproto.config import load_config
 from sciproto.processes import ServerProcess, start_server
+from sciproto.rundir import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    is_checkpoint,
+    latest_checkpoint,
+)
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
 REPORT_SCHEMA = "sciproto.eval/1"
-MANIFEST_FILE = "manifest.json"  # the learner's checkpoint layout (learner.checkpoint)
-WEIGHTS_FILE = "model.safetensors"
 TIED_ALIAS = "lm_head.weight"
 
 
@@ -121,19 +126,18 @@ class EvalReport(BaseModel):
 
 def checkpoint_folder(path: Path) -> Path:
     """`path` if it is a checkpoint, else the latest checkpoint of the run directory `path`."""
-    if (path / MANIFEST_FILE).is_file():
+    if is_checkpoint(path):
         return path
-    folder = path / "checkpoints"
-    steps = [p for p in folder.glob("step_*") if (p / MANIFEST_FILE).is_file()] if folder.is_dir() else []
-    if not steps:
+    latest = latest_checkpoint(path)
+    if latest is None:
         raise EvalError(f"{path} is neither a checkpoint (no {MANIFEST_FILE}) nor a run directory with"
                         " checkpoints/step_*; pass one of those")
-    return max(steps, key=lambda p: int(p.name.removeprefix("step_")))
+    return latest
 
 
 def base_model_of(checkpoint: Path, explicit: str | None) -> tuple[str, int]:
     """(model spec, seed) the checkpoint's run trained: from its run's config.yaml, or `explicit`."""
-    config_path = checkpoint.parent.parent / "config.yaml"
+    config_path = checkpoint.parent.parent / CONFIG_FILE
     policy: dict = {}
     if config_path.is_file():
         policy = (yaml.safe_load(config_path.read_text()) or {}).get("policy") or {}

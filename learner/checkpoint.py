@@ -1,11 +1,12 @@
 """Checkpoints of a GRPOTrainer: resuming gives exactly the step an uninterrupted run would take.
 
-Layout: <run_dir>/checkpoints/step_<step:08d>/
+Layout: <run_dir>/checkpoints/step_<step:08d>/ (sciproto.rundir names every file)
     model.safetensors   full weights, named as in the model's state dict
     trainer_state.pt    optimizer state, step, policy version, RNG states
     manifest.json       step, policy version, config, file names (readable without torch)
 A checkpoint is written to a temporary folder and renamed into place, so a crash mid-save never
-leaves a half checkpoint that `latest_checkpoint` would pick.
+leaves a half checkpoint; the learner service then adds its learner_state.json, and only then is
+the checkpoint complete (`sciproto.rundir.latest_checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from learner.distributed import current_context, full_state_dict
 from learner.trainer import GRPOTrainer
+from sciproto.rundir import (
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    checkpoint_dir,
+    checkpoints_dir,
+    latest_checkpoint,
+    staging_dir,
+)
+from sciproto.rundir import TRAINER_STATE_FILE as STATE_FILE
 
-WEIGHTS_FILE = "model.safetensors"
-STATE_FILE = "trainer_state.pt"
-MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-
-
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def _untied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,9 +72,9 @@ def save_checkpoint(trainer: GRPOTrainer, run_dir: str | Path) -> Path:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = full_state_dict(trainer.model)
     optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
-    final = checkpoints_dir(run_dir) / f"step_{trainer.step:08d}"
+    final = checkpoint_dir(run_dir, trainer.step)
     if current_context().is_main:
-        staging = final.with_name(final.name + ".tmp")
+        staging = staging_dir(final)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         save_file(_untied(weights), str(staging / WEIGHTS_FILE))
@@ -124,12 +127,6 @@ def load_checkpoint(trainer: GRPOTrainer, path: str | Path) -> None:
     _restore_rng(state["rng"])
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint with the highest step under run_dir, or None when there is none."""
-    folder = checkpoints_dir(run_dir)
-    if not folder.is_dir():
-        return None
-    complete = [
-        p for p in folder.glob("step_*") if p.suffix != ".tmp" and (p / MANIFEST_FILE).is_file()
-    ]
-    return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_FILE", "STATE_FILE", "WEIGHTS_FILE", "checkpoints_dir", "latest_checkpoint",
+           "load_checkpoint", "save_checkpoint"]

@@ -28,22 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.server_config import MetricsConfig
-
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "reward.png"
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (a torn last line from a crash is skipped)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+from sciproto.rundir import METRICS_FILE, PLOT_FILE, read_metrics
 
 
 def plot_metrics(records: list[dict[str, Any]], output: Path, title: str = "") -> Path:

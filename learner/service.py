@@ -61,7 +61,6 @@ import grpc
 from pydantic import BaseModel, ValidationError
 
 from learner.buffer import RolloutBuffer
-from learner.checkpoint import MANIFEST_FILE, checkpoints_dir
 from learner.metrics import MetricsLogger
 from learner.push_types import Serving, ServingDigestMismatch
 from learner.ranks import Ranks, RanksFailed
@@ -72,11 +71,11 @@ from learner.weight_push import WeightPusher, version_after_resume
 from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
 from sciproto.pb import common_pb2, learner_pb2, policy_pb2
+from sciproto.rundir import LEARNER_STATE_FILE, latest_checkpoint
 from sciproto.server import server_info
 
 log = logging.getLogger(__name__)
 
-LEARNER_STATE_FILE = "learner_state.json"
 LOOP_STOP_TIMEOUT_S = 30.0  # how long aclose waits for a cancelled background task to end
 
 _STATUS_FROM_PB = {
@@ -210,17 +209,7 @@ class LearnerState(BaseModel):
 
 def latest_learner_checkpoint(run_dir: Path) -> Path | None:
     """The highest-step checkpoint that holds both the trainer and the learner state."""
-    folder = checkpoints_dir(run_dir)
-    if not folder.is_dir():
-        return None
-    complete = [
-        p
-        for p in folder.glob("step_*")
-        if p.suffix != ".tmp"
-        and (p / MANIFEST_FILE).is_file()
-        and (p / LEARNER_STATE_FILE).is_file()
-    ]
-    return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+    return latest_checkpoint(run_dir)
 
 
 class InjectedFault(RuntimeError):

@@ -63,11 +63,14 @@ def test_rerun_resumes_with_new_groups_only_and_stops_at_the_step_budget(tmp_pat
 
 def test_fresh_starts_in_the_next_free_numbered_directory_and_resume_in_the_latest_checkpointed(
         tmp_path: Path) -> None:
-    from clients.train.resume import LEARNER_STATE_FILE, choose_run_dir
+    from clients.train.resume import choose_run_dir
+    from sciproto.rundir import LEARNER_STATE_FILE, MANIFEST_FILE, checkpoint_dir
 
     assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"  # nothing there yet
-    (tmp_path / "r" / "checkpoints" / "step_00000002").mkdir(parents=True)
-    (tmp_path / "r" / "checkpoints" / "step_00000002" / LEARNER_STATE_FILE).write_text("{}")
+    checkpoint_dir(tmp_path / "r", 2).mkdir(parents=True)
+    (checkpoint_dir(tmp_path / "r", 2) / MANIFEST_FILE).write_text("{}")
+    assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r-2"  # not complete: a fresh directory
+    (checkpoint_dir(tmp_path / "r", 2) / LEARNER_STATE_FILE).write_text("{}")
     assert choose_run_dir(tmp_path, "r", resume=True) == tmp_path / "r"
     assert choose_run_dir(tmp_path, "r", resume=False) == tmp_path / "r-2"
     (tmp_path / "r-2").mkdir()  # a fresh run that made no step: no checkpoint

@@ -9,13 +9,17 @@ summary, `metrics.jsonl` and the checkpoint name the same steps. Reads files onl
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.train.resume import LEARNER_STATE_FILE, latest_checkpoint
-from learner.metrics import METRICS_FILE, read_metrics
+from sciproto.rundir import (
+    METRICS_FILE,
+    checkpoint_step,
+    latest_checkpoint,
+    read_learner_state,
+    read_metrics,
+)
 
 
 @dataclass
@@ -34,8 +38,8 @@ def learner_record(run_dir: Path) -> LearnerRecord | None:
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return None
-    step = int(checkpoint.name.removeprefix("step_"))
-    state = json.loads((checkpoint / LEARNER_STATE_FILE).read_text(encoding="utf-8"))
+    step = checkpoint_step(checkpoint) or 0
+    state = read_learner_state(checkpoint)
     return LearnerRecord(
         checkpoint=checkpoint,
         step=step,

@@ -2,8 +2,8 @@
 already trained.
 
 A run directory `<dir>/<name>` holds the learner's checkpoints under `checkpoints/step_N/`; a
-checkpoint counts once its `learner_state.json` exists (the learner writes that file last), and
-that file lists the ids of every group trained up to it. Group ids are
+checkpoint counts once its `learner_state.json` exists (the learner writes that file last;
+`sciproto.rundir.latest_checkpoint`), and that file lists the ids of every group trained up to it. Group ids are
 `<env>/<split>/<index>#<epoch>` (a step group adds `/step<k>`: one task epoch, many groups): a resumed run starts each task's epoch after the last one its
 learner trained, so it generates only groups the learner has never seen (none is refused as a
 duplicate). This module reads files only; it imports neither torch nor the learner.
@@ -12,34 +12,27 @@ duplicate). This module reads files only; it imports neither torch nor the learn
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sciproto.client.rollouts import TaskKey
+from sciproto.rundir import (
+    LEARNER_STATE_FILE,
+    checkpoint_step,
+    latest_checkpoint,
+    read_learner_state,
+)
 
-LEARNER_STATE_FILE = "learner_state.json"  # as learner.service writes it
-_STEP_DIR = re.compile(r"step_(\d+)")
 # A step group (rollout.grouping: step) adds its step: `<env>/<split>/<index>#<epoch>/step<k>`.
 _GROUP_ID = re.compile(r"(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)#(?P<epoch>\d+)(?:/step\d+)?")
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The highest-step complete checkpoint of a run directory, or None."""
-    steps = []
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        match = _STEP_DIR.fullmatch(path.name)
-        if match and (path / LEARNER_STATE_FILE).is_file():
-            steps.append((int(match.group(1)), path))
-    return max(steps)[1] if steps else None
 
 
 def trained_steps(run_dir: Path) -> int:
     """The optimizer step of the latest complete checkpoint (0 without one)."""
     checkpoint = latest_checkpoint(run_dir)
-    return int(checkpoint.name.removeprefix("step_")) if checkpoint else 0
+    return (checkpoint_step(checkpoint) or 0) if checkpoint else 0
 
 
 def choose_run_dir(parent: Path, name: str, resume: bool) -> Path:
@@ -84,8 +77,7 @@ def trained_group_ids(run_dir: Path) -> list[str]:
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return []
-    state = json.loads((checkpoint / LEARNER_STATE_FILE).read_text())
-    return list(state.get("trained_group_ids", []))
+    return list(read_learner_state(checkpoint).get("trained_group_ids", []))
 
 
 def resume_point(group_ids: Iterable[str], env: str, split: str, size: int | None) -> ResumePoint:
@@ -110,5 +102,5 @@ def resume_point(group_ids: Iterable[str], env: str, split: str, size: int | Non
     return point
 
 
-__all__ = ["ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids",
+__all__ = ["LEARNER_STATE_FILE", "ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids",
            "trained_steps"]

@@ -14,7 +14,15 @@ from rich.table import Table
 
 from clients.train.learner_record import learner_record
 from clients.train.records import StepRecord, TrainOutcome
-from learner.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
+from learner.metrics import plot_metrics
+from sciproto.rundir import (
+    METRICS_FILE,
+    PLOT_FILE,
+    ROLLOUTS_FILE,
+    SUMMARY_FILE,
+    latest_checkpoint,
+    read_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +74,12 @@ def finish_outputs(outcome: TrainOutcome, run_dir: Path) -> None:
     if records:
         outcome.plot = str(plot_metrics(records, run_dir / PLOT_FILE, title=run_dir.name))
     outcome.metrics = str(run_dir / METRICS_FILE)
-    outcome.rollouts = str(run_dir / "rollouts.jsonl")
+    outcome.rollouts = str(run_dir / ROLLOUTS_FILE)
     if not outcome.checkpoint:
-        from learner.service import latest_learner_checkpoint
-
-        latest = latest_learner_checkpoint(run_dir)
+        latest = latest_checkpoint(run_dir)
         outcome.checkpoint = str(latest) if latest else ""
     summary = outcome.model_dump(mode="json") | {"tokens_per_s": outcome.tokens_per_s}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None:

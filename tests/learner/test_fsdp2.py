@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
 
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint
 from learner.config import GRPOConfig
 from learner.distributed import broadcast_groups, current_context
 from learner.trainer import GRPOTrainer
@@ -84,7 +84,7 @@ def test_two_fsdp2_ranks_match_one_process(tmp_path: Path) -> None:
 
     # The checkpoint the two ranks wrote loads into a single process.
     restored = GRPOTrainer(tiny_model(seed=5), CONFIG)
-    load_checkpoint(restored, latest_checkpoint(tmp_path))
+    load_checkpoint(restored, max(checkpoints_dir(tmp_path).glob("step_*")))
     assert restored.policy_version == 2
     for name, value in restored.state_dict_for_push().items():
         torch.testing.assert_close(value, result["weights"][name])
