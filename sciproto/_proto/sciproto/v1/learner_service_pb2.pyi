@@ -199,6 +199,7 @@ class Rollout(_message.Message):
     TURNS_FIELD_NUMBER: _builtins.int
     TURN_FINISH_REASONS_FIELD_NUMBER: _builtins.int
     STEP_REWARDS_FIELD_NUMBER: _builtins.int
+    SAMPLING_SPANS_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """Index of the sample within its group."""
     turns: _builtins.int
@@ -246,6 +247,15 @@ class Rollout(_message.Message):
         not report them.
         """
 
+    @_builtins.property
+    def sampling_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___SamplingSpan]:
+        """The sampling each policy turn was drawn with: its temperature, top_p and
+        top_k (the other fields are not read), so the learner computes log pi
+        under the distribution that produced rollout_logprobs. Trained tokens in
+        no span count as sampled at the learner's configured temperature without
+        truncation (senders before protocol 1.3).
+        """
+
     def __init__(
         self,
         *,
@@ -258,14 +268,47 @@ class Rollout(_message.Message):
         turns: _builtins.int = ...,
         turn_finish_reasons: _abc.Iterable[_policy_service_pb2.FinishReason.ValueType] | None = ...,
         step_rewards: _abc.Iterable[_builtins.float] | None = ...,
+        sampling_spans: _abc.Iterable[Global___SamplingSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "sampling_spans", b"sampling_spans", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
+
+@_typing.final
+class SamplingSpan(_message.Message):
+    """Tokens [start, end) of a rollout's token_ids were sampled with `sampling`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """First token, an index into token_ids."""
+    end: _builtins.int
+    """One past the last token."""
+    @_builtins.property
+    def sampling(self) -> _policy_service_pb2.SamplingParams:
+        """The sampling the policy server applied (as sent in GenerateRequest)."""
+
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        sampling: _policy_service_pb2.SamplingParams | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "sampling", b"sampling", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SamplingSpan: _TypeAlias = SamplingSpan  # noqa: Y015
 
 @_typing.final
 class RolloutGroup(_message.Message):

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from sciproto._proto.sciproto.v1 import common_pb2 as sciproto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n sciproto/v1/policy_service.proto\x12\x0bsciproto.v1\x1a\x18sciproto/v1/common.proto\"d\n\x1cPolicyServiceDescribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\"\xf7\x02\n\x1dPolicyServiceDescribeResponse\x12\'\n\x06server\x18\x01 \x01(\x0b\x32\x17.sciproto.v1.ServerInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05\x64type\x18\x04 \x01(\x0e\x32\x18.sciproto.v1.TensorDtype\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x1f\n\x17supports_weight_updates\x18\x08 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x16\n\x0eweights_run_id\x18\n \x01(\t\x12\x16\n\x0eweights_digest\x18\x0b \x01(\x0c\x12\x30\n\x0fserving_tensors\x18\x0c \x03(\x0b\x32\x17.sciproto.v1.TensorSpec\"z\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.sciproto.v1.ChatMessage\x12$\n\x05tools\x18\x02 \x03(\x0b\x32\x15.sciproto.v1.ToolSpec\x12\x1a\n\x12previous_token_ids\x18\x03 \x03(\r\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x96\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.sciproto.v1.ChatPromptH\x00\x12*\n\x06tokens\x18\x04 \x01(\x0b\x32\x18.sciproto.v1.TokenPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.sciproto.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\";\n\x0eGeneratePrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"U\n\nTokenDelta\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"\xa0\x02\n\x0eGenerateSample\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.sciproto.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12)\n\ntool_calls\x18\x07 \x03(\x0b\x32\x15.sciproto.v1.ToolCall\x12\x1b\n\x13tool_call_malformed\x18\x08 \x01(\x08\x12/\n\rversion_spans\x18\t \x03(\x0b\x32\x18.sciproto.v1.VersionSpan\"\xa3\x01\n\x10GenerateResponse\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.sciproto.v1.GeneratePromptH\x00\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.sciproto.v1.TokenDeltaH\x00\x12-\n\x06sample\x18\x03 \x01(\x0b\x32\x1b.sciproto.v1.GenerateSampleH\x00\x42\x07\n\x05\x65vent\"b\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.sciproto.v1.TensorDtype\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"\x91\x02\n\rWeightsHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.sciproto.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.sciproto.v1.WeightTransport\x12\x32\n\nprovenance\x18\x07 \x01(\x0b\x32\x1e.sciproto.v1.WeightsProvenance\"Y\n\x11WeightsProvenance\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\x0c\x12\x12\n\nset_digest\x18\x04 \x01(\x0c\"]\n\x14UpdateWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.sciproto.v1.WeightsHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"\x82\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\x12\"\n\x1arequests_spanning_versions\x18\x04 \x01(\r*\xb2\x01\n\x0bTensorDtype\x12\x1c\n\x18TENSOR_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14TENSOR_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15TENSOR_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14TENSOR_DTYPE_FLOAT16\x10\x03\x12\x1e\n\x1aTENSOR_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x16\n\x12TENSOR_DTYPE_INT64\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSPORT_GRPC_CHUNKS\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x02\x32\x97\x02\n\rPolicyService\x12\x61\n\x08\x44\x65scribe\x12).sciproto.v1.PolicyServiceDescribeRequest\x1a*.sciproto.v1.PolicyServiceDescribeResponse\x12I\n\x08Generate\x12\x1c.sciproto.v1.GenerateRequest\x1a\x1d.sciproto.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12!.sciproto.v1.UpdateWeightsRequest\x1a\".sciproto.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n sciproto/v1/policy_service.proto\x12\x0bsciproto.v1\x1a\x18sciproto/v1/common.proto\"d\n\x1cPolicyServiceDescribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\"\xf7\x02\n\x1dPolicyServiceDescribeResponse\x12\'\n\x06server\x18\x01 \x01(\x0b\x32\x17.sciproto.v1.ServerInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05\x64type\x18\x04 \x01(\x0e\x32\x18.sciproto.v1.TensorDtype\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x1f\n\x17supports_weight_updates\x18\x08 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x16\n\x0eweights_run_id\x18\n \x01(\t\x12\x16\n\x0eweights_digest\x18\x0b \x01(\x0c\x12\x30\n\x0fserving_tensors\x18\x0c \x03(\x0b\x32\x17.sciproto.v1.TensorSpec\"z\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.sciproto.v1.ChatMessage\x12$\n\x05tools\x18\x02 \x03(\x0b\x32\x15.sciproto.v1.ToolSpec\x12\x1a\n\x12previous_token_ids\x18\x03 \x03(\r\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_top_k\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.sciproto.v1.ChatPromptH\x00\x12*\n\x06tokens\x18\x04 \x01(\x0b\x32\x18.sciproto.v1.TokenPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.sciproto.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\";\n\x0eGeneratePrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"U\n\nTokenDelta\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"\xa0\x02\n\x0eGenerateSample\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.sciproto.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12)\n\ntool_calls\x18\x07 \x03(\x0b\x32\x15.sciproto.v1.ToolCall\x12\x1b\n\x13tool_call_malformed\x18\x08 \x01(\x08\x12/\n\rversion_spans\x18\t \x03(\x0b\x32\x18.sciproto.v1.VersionSpan\"\xa3\x01\n\x10GenerateResponse\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1b.sciproto.v1.GeneratePromptH\x00\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.sciproto.v1.TokenDeltaH\x00\x12-\n\x06sample\x18\x03 \x01(\x0b\x32\x1b.sciproto.v1.GenerateSampleH\x00\x42\x07\n\x05\x65vent\"b\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.sciproto.v1.TensorDtype\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"\x91\x02\n\rWeightsHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.sciproto.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.sciproto.v1.WeightTransport\x12\x32\n\nprovenance\x18\x07 \x01(\x0b\x32\x1e.sciproto.v1.WeightsProvenance\"Y\n\x11WeightsProvenance\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\x0c\x12\x12\n\nset_digest\x18\x04 \x01(\x0c\"]\n\x14UpdateWeightsRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.sciproto.v1.WeightsHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"\x82\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\x12\"\n\x1arequests_spanning_versions\x18\x04 \x01(\r*\xb2\x01\n\x0bTensorDtype\x12\x1c\n\x18TENSOR_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14TENSOR_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15TENSOR_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14TENSOR_DTYPE_FLOAT16\x10\x03\x12\x1e\n\x1aTENSOR_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x16\n\x12TENSOR_DTYPE_INT64\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSPORT_GRPC_CHUNKS\x10\x01\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x02\x32\x97\x02\n\rPolicyService\x12\x61\n\x08\x44\x65scribe\x12).sciproto.v1.PolicyServiceDescribeRequest\x1a*.sciproto.v1.PolicyServiceDescribeResponse\x12I\n\x08Generate\x12\x1c.sciproto.v1.GenerateRequest\x1a\x1d.sciproto.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12!.sciproto.v1.UpdateWeightsRequest\x1a\".sciproto.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sciproto.v1.policy_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORDTYPE']._serialized_start=2410
-  _globals['_TENSORDTYPE']._serialized_end=2588
-  _globals['_FINISHREASON']._serialized_start=2590
-  _globals['_FINISHREASON']._serialized_end=2710
-  _globals['_WEIGHTTRANSPORT']._serialized_start=2712
-  _globals['_WEIGHTTRANSPORT']._serialized_end=2824
+  _globals['_TENSORDTYPE']._serialized_start=2440
+  _globals['_TENSORDTYPE']._serialized_end=2618
+  _globals['_FINISHREASON']._serialized_start=2620
+  _globals['_FINISHREASON']._serialized_end=2740
+  _globals['_WEIGHTTRANSPORT']._serialized_start=2742
+  _globals['_WEIGHTTRANSPORT']._serialized_end=2854
   _globals['_POLICYSERVICEDESCRIBEREQUEST']._serialized_start=75
   _globals['_POLICYSERVICEDESCRIBEREQUEST']._serialized_end=175
   _globals['_POLICYSERVICEDESCRIBERESPONSE']._serialized_start=178
@@ -47,27 +47,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENPROMPT']._serialized_start=679
   _globals['_TOKENPROMPT']._serialized_end=711
   _globals['_SAMPLINGPARAMS']._serialized_start=714
-  _globals['_SAMPLINGPARAMS']._serialized_end=864
-  _globals['_GENERATEREQUEST']._serialized_start=867
-  _globals['_GENERATEREQUEST']._serialized_end=1107
-  _globals['_GENERATEPROMPT']._serialized_start=1109
-  _globals['_GENERATEPROMPT']._serialized_end=1168
-  _globals['_TOKENDELTA']._serialized_start=1170
-  _globals['_TOKENDELTA']._serialized_end=1255
-  _globals['_GENERATESAMPLE']._serialized_start=1258
-  _globals['_GENERATESAMPLE']._serialized_end=1546
-  _globals['_GENERATERESPONSE']._serialized_start=1549
-  _globals['_GENERATERESPONSE']._serialized_end=1712
-  _globals['_TENSORSPEC']._serialized_start=1714
-  _globals['_TENSORSPEC']._serialized_end=1812
-  _globals['_WEIGHTSHEADER']._serialized_start=1815
-  _globals['_WEIGHTSHEADER']._serialized_end=2088
-  _globals['_WEIGHTSPROVENANCE']._serialized_start=2090
-  _globals['_WEIGHTSPROVENANCE']._serialized_end=2179
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2181
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2274
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2277
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2407
-  _globals['_POLICYSERVICE']._serialized_start=2827
-  _globals['_POLICYSERVICE']._serialized_end=3106
+  _globals['_SAMPLINGPARAMS']._serialized_end=894
+  _globals['_GENERATEREQUEST']._serialized_start=897
+  _globals['_GENERATEREQUEST']._serialized_end=1137
+  _globals['_GENERATEPROMPT']._serialized_start=1139
+  _globals['_GENERATEPROMPT']._serialized_end=1198
+  _globals['_TOKENDELTA']._serialized_start=1200
+  _globals['_TOKENDELTA']._serialized_end=1285
+  _globals['_GENERATESAMPLE']._serialized_start=1288
+  _globals['_GENERATESAMPLE']._serialized_end=1576
+  _globals['_GENERATERESPONSE']._serialized_start=1579
+  _globals['_GENERATERESPONSE']._serialized_end=1742
+  _globals['_TENSORSPEC']._serialized_start=1744
+  _globals['_TENSORSPEC']._serialized_end=1842
+  _globals['_WEIGHTSHEADER']._serialized_start=1845
+  _globals['_WEIGHTSHEADER']._serialized_end=2118
+  _globals['_WEIGHTSPROVENANCE']._serialized_start=2120
+  _globals['_WEIGHTSPROVENANCE']._serialized_end=2209
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2211
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2304
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2307
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2437
+  _globals['_POLICYSERVICE']._serialized_start=2857
+  _globals['_POLICYSERVICE']._serialized_end=3136
 # @@protoc_insertion_point(module_scope)
