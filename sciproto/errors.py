@@ -49,6 +49,7 @@ class Reason(enum.StrEnum):
     CANCELLED = "CANCELLED"  # a Session operation stopped by the client's cancel
     TOO_MANY_IN_FLIGHT = "TOO_MANY_IN_FLIGHT"  # a Session stream is at its max_in_flight
     NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA"  # client side: no server of a service answers
+    INCOMPATIBLE_PROTOCOL = "INCOMPATIBLE_PROTOCOL"  # client side: the server speaks another major version
     INTERNAL = "INTERNAL"
 
 

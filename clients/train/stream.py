@@ -1,7 +1,8 @@
 """The run's TrainStep stream to the learner, kept open across learner restarts.
 
 Every group sent stays in the ledger (`clients.train.flow.GroupLedger`) until the learner settles
-it. A stream broken with one of `RECONNECT_CODES` is opened again, with a backoff of 0.5 s doubling
+it. Before its first stream the learner's Describe must report this client's major protocol
+version (`sciproto.client.protocol`). A stream broken with one of `RECONNECT_CODES` is opened again, with a backoff of 0.5 s doubling
 to 5 s, for at most `reconnect_s` of the learner being unreachable; each new stream sends every
 unsettled group first, then new ones. A group the learner had no room for is sent again after
 `BUSY_RESEND_S`.
@@ -19,6 +20,7 @@ import grpc
 from clients.train.display import RunStatus
 from clients.train.flow import GroupLedger
 from sciproto.channel import make_channel
+from sciproto.client.protocol import check_protocol
 from sciproto.errors import Unavailable
 from sciproto.pb import learner_grpc, learner_pb2
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
                    grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
 BUSY_RESEND_S = 1.0  # wait before sending again a group the learner had no room for
+DESCRIBE_TIMEOUT_S = 30.0
 
 Handler = Callable[[learner_pb2.TrainStepResponse], Awaitable[None]]
 
@@ -80,21 +83,28 @@ class LearnerStream:
         try:
             stub = learner_grpc.LearnerServiceStub(channel)
             backoff = 0.5
+            checked = False
             while True:
-                call = stub.TrainStep(self._requests())
                 try:
-                    async for event in call:
-                        if status.learner_down_since is not None:
-                            log.warning("learner reachable again; unsettled groups were sent again")
-                        status.learner_down_since, backoff = None, 0.5
-                        await handle(event)
-                    error_text = "the learner ended the stream"
+                    if not checked:
+                        described = await stub.Describe(learner_pb2.LearnerServiceDescribeRequest(),
+                                                        timeout=DESCRIBE_TIMEOUT_S)
+                        check_protocol(described.server, "learner", self.target)
+                        checked = True
+                    call = stub.TrainStep(self._requests())
+                    try:
+                        async for event in call:
+                            if status.learner_down_since is not None:
+                                log.warning("learner reachable again; unsettled groups were sent again")
+                            status.learner_down_since, backoff = None, 0.5
+                            await handle(event)
+                        error_text = "the learner ended the stream"
+                    finally:
+                        call.cancel()
                 except grpc.RpcError as error:
                     if error.code() not in RECONNECT_CODES:
                         raise
                     error_text = f"{error.code().name}: {error.details()}"
-                finally:
-                    call.cancel()
                 now = time.monotonic()
                 if status.learner_down_since is None:
                     status.learner_down_since = now
@@ -114,4 +124,4 @@ class LearnerStream:
             await channel.close()
 
 
-__all__ = ["BUSY_RESEND_S", "RECONNECT_CODES", "LearnerStream"]
+__all__ = ["BUSY_RESEND_S", "DESCRIBE_TIMEOUT_S", "RECONNECT_CODES", "LearnerStream"]

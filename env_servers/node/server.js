@@ -22,7 +22,7 @@ const digits = require("./digits");
 const { asSciproto, fail } = require("./errors");
 const { IdempotencyCache } = require("./idempotency");
 
-const PROTOCOL_VERSION = "1.2";
+const PROTOCOL_VERSION = "1.3";
 const SERVER_VERSION = "0.1.0";
 const ENV_NAME = "digits";
 const ENV_SERVICE = "sciproto.v1.EnvironmentService";
@@ -196,7 +196,7 @@ class Environments {
     return { closed: this.episodes.delete(request.episodeId) };
   }
 
-  // The reference action of a task (added after protocol 1.2): a reply of digits only, which earns 1.
+  // The reference action of a task (protocol 1.3): a reply of digits only, which earns 1.
   reference(request) {
     if (!request.taskRef) {
       throw fail(S.INVALID_ARGUMENT, "INVALID_REQUEST", "ReferenceRequest names no task: set task_ref {split, index}");

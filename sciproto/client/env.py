@@ -32,6 +32,7 @@ from typing import Any, Literal, Self
 import grpc
 
 from sciproto.channel import ChannelConfig, make_channel
+from sciproto.client.protocol import check_protocol
 from sciproto.errors import (
     DeadlineExceeded,
     Internal,
@@ -167,6 +168,7 @@ class EnvClient:
             raise ValueError(f"transport is 'session' or 'unary', not {transport!r}")
         if isinstance(channel_or_config, str):
             channel_or_config = ChannelConfig(target=channel_or_config)
+        self.target = channel_or_config.target if isinstance(channel_or_config, ChannelConfig) else ""
         if isinstance(channel_or_config, ChannelConfig):
             self._channel, self._owns_channel = make_channel(channel_or_config, bare_streams=True), True
             default_timeout_s = default_timeout_s or channel_or_config.default_timeout_s
@@ -264,9 +266,13 @@ class EnvClient:
     # ------------------------------------------------------------ operations
 
     async def describe(self, timeout: float | None = None) -> env_pb2.EnvironmentServiceDescribeResponse:
+        """The server's Describe; FailedPrecondition (INCOMPATIBLE_PROTOCOL) when it speaks
+        another major protocol version (sciproto.client.protocol)."""
         request = env_pb2.EnvironmentServiceDescribeRequest(request_id=new_request_id(),
                                                             trace_context=current_trace_context())
-        return await self._call(self._stub.Describe, request, timeout)
+        described = await self._call(self._stub.Describe, request, timeout)
+        check_protocol(described.server, "environment", self.target)
+        return described
 
     async def reset(self, env: str, *, split: str | None = None, index: int | None = None,
                     inline: Mapping[str, str] | None = None, seed: int | None = None,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 import grpc
 
 from sciproto.channel import ChannelConfig, make_channel
+from sciproto.client.protocol import check_protocol
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
 from sciproto.tracing import current_trace_context
@@ -86,6 +87,8 @@ class PolicyClient:
 
     def __init__(self, channel_or_config: grpc.aio.Channel | ChannelConfig | str) -> None:
         self._owns_channel = not isinstance(channel_or_config, grpc.aio.Channel)
+        self.target = (channel_or_config.target if isinstance(channel_or_config, ChannelConfig)
+                       else channel_or_config if isinstance(channel_or_config, str) else "")
         self.channel = make_channel(channel_or_config) if self._owns_channel else channel_or_config
         self._stub = policy_grpc.PolicyServiceStub(self.channel)
         self._update_weights: Any = None  # made by the first push_weights (it needs torch)
@@ -101,11 +104,15 @@ class PolicyClient:
             await self.channel.close()
 
     async def describe(self, timeout_s: float | None = None) -> policy_pb2.PolicyServiceDescribeResponse:
+        """The server's Describe; FailedPrecondition (INCOMPATIBLE_PROTOCOL) when it speaks
+        another major protocol version (sciproto.client.protocol)."""
         try:
             request = policy_pb2.PolicyServiceDescribeRequest(trace_context=current_trace_context())
-            return await self._stub.Describe(request, timeout=timeout_s)
+            described = await self._stub.Describe(request, timeout=timeout_s)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+        check_protocol(described.server, "policy", self.target)
+        return described
 
     async def generate(self, request: policy_pb2.GenerateRequest,
                        timeout_s: float | None = None) -> AsyncIterator[policy_pb2.GenerateResponse]:

@@ -1,8 +1,8 @@
 """Conformance checks of a PolicyService, over the wire.
 
 The Generate stream's shape (prompt first, deltas, one sample per n with matching token ids,
-log-probabilities and version spans), seeded repeatability, multi-turn prompts extending
-`previous_token_ids`, the documented refusals, deadlines, and that a refused weight update leaves
+log-probabilities and version spans), seeded repeatability, stop strings (left out of the text),
+multi-turn prompts extending `previous_token_ids`, the documented refusals, deadlines, and that a refused weight update leaves
 the serving version alone. Prompts are short and completions a few tokens, so any model will do.
 """
 
@@ -145,6 +145,30 @@ class PolicyChecks:
                   f"the same seed, prompt and weights gave sample {index} different tokens")
         return "same seed, same samples"
 
+    async def stop_strings(self) -> str:
+        """SamplingParams.stop: the text ends before the first stop string (it is left out, as in
+        OpenAI's API), the sample finishes with STOP, and its tokens are those the same seed
+        draws without the stop string, through the token that completed it."""
+        request = chat_request([user("Write a few words.")], seed=4321, max_tokens=16)
+        whole = (await self.generate(request)).samples[0]
+        # A printable ASCII character after the first: a random model also writes pieces of
+        # UTF-8 characters, which a text shows as U+FFFD until the character is complete.
+        stop = next((c for c in whole.text[1:] if c.isascii() and c.isprintable() and not c.isspace()), None)
+        if stop is None:
+            raise Skipped(f"the seeded sample {whole.text!r} has no character to stop at")
+        request.request_id = new_id()
+        request.sampling.stop.append(stop)
+        cut = (await self.generate(request)).samples[0]
+        expected = whole.text[: whole.text.index(stop)]
+        check(cut.text == expected, f"with stop {stop!r} the text is {cut.text!r}; the contract leaves the stop "
+                                    f"string out: {expected!r}")
+        check(cut.finish_reason == policy_pb2.FINISH_REASON_STOP,
+              f"a sample cut by a stop string finished with {policy_pb2.FinishReason.Name(cut.finish_reason)}")
+        ids = list(cut.completion_token_ids)
+        check(0 < len(ids) <= len(whole.completion_token_ids) and ids == list(whole.completion_token_ids[:len(ids)]),
+              "the tokens of a sample cut by a stop string are not the first tokens the same seed draws without it")
+        return f"stop {stop!r}: text of {len(cut.text)} characters, ending before it; {len(ids)} tokens"
+
     async def previous_token_ids(self) -> str:
         first_turn = [user("Name a colour.")]
         first = await self.generate(chat_request(first_turn))
@@ -223,6 +247,7 @@ class PolicyChecks:
             ("reflection", self.reflection),
             ("generate_stream", self.generate_stream),
             ("seeded_generate_repeats", self.seeded_repeat),
+            ("stop_strings", self.stop_strings),
             ("previous_token_ids_extend", self.previous_token_ids),
             ("refusals", self.refusals),
             ("deadline", self.deadline),

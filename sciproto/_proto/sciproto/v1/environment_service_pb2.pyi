@@ -58,7 +58,7 @@ Global___ForkMode: _TypeAlias = ForkMode  # noqa: Y015
 
 @_typing.final
 class ReferenceRequest(_message.Message):
-    """Asks for the reference actions of a task (added after protocol 1.2)."""
+    """Asks for the reference actions of a task (protocol 1.3)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -96,7 +96,7 @@ Global___ReferenceRequest: _TypeAlias = ReferenceRequest  # noqa: Y015
 
 @_typing.final
 class ReferenceResponse(_message.Message):
-    """The reference actions of a task (added after protocol 1.2)."""
+    """The reference actions of a task (protocol 1.3)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -122,7 +122,7 @@ Global___ReferenceResponse: _TypeAlias = ReferenceResponse  # noqa: Y015
 
 @_typing.final
 class RewardRange(_message.Message):
-    """The rewards an environment's Verify gives a whole episode (added after protocol 1.2)."""
+    """The rewards an environment's Verify gives a whole episode (protocol 1.3)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -323,12 +323,12 @@ class EnvironmentInfo(_message.Message):
     @_builtins.property
     def warm_pool(self) -> Global___WarmPool:
         """Resources this environment starts ahead of Reset and Fork (the notebook's
-        sandboxed kernels); unset where it keeps none. Added after protocol 1.2.
+        sandboxed kernels); unset where it keeps none (protocol 1.3).
         """
 
     @_builtins.property
     def reward_range(self) -> Global___RewardRange:
-        """The rewards a graded episode can get (added after protocol 1.2); unset:
+        """The rewards a graded episode can get (protocol 1.3); unset:
         not declared.
         """
 

@@ -137,7 +137,7 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reference(self, request, context):
-        """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+        """The reference actions of a dataset task (protocol 1.3): what an agent that
         knows the answer sends, in order, to solve it. For validating an environment
         (a reference episode must earn the top of its reward range) and for
         demonstrations. It reveals the answer, so it needs the grader role; an

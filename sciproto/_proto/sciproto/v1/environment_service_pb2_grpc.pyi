@@ -60,7 +60,7 @@ class EnvironmentServiceStub:
     caller's live-episode quota and is closed like any episode.
     """
     Reference: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ReferenceRequest, _environment_service_pb2.ReferenceResponse]
-    """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+    """The reference actions of a dataset task (protocol 1.3): what an agent that
     knows the answer sends, in order, to solve it. For validating an environment
     (a reference episode must earn the top of its reward range) and for
     demonstrations. It reveals the answer, so it needs the grader role; an
@@ -96,7 +96,7 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     caller's live-episode quota and is closed like any episode.
     """
     Reference: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ReferenceRequest, _environment_service_pb2.ReferenceResponse]  # type: ignore[assignment]
-    """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+    """The reference actions of a dataset task (protocol 1.3): what an agent that
     knows the answer sends, in order, to solve it. For validating an environment
     (a reference episode must earn the top of its reward range) and for
     demonstrations. It reveals the answer, so it needs the grader role; an
@@ -177,7 +177,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _environment_service_pb2.ReferenceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_environment_service_pb2.ReferenceResponse, _abc.Awaitable[_environment_service_pb2.ReferenceResponse]]:
-        """The reference actions of a dataset task (added after protocol 1.2): what an agent that
+        """The reference actions of a dataset task (protocol 1.3): what an agent that
         knows the answer sends, in order, to solve it. For validating an environment
         (a reference episode must earn the top of its reward range) and for
         demonstrations. It reveals the answer, so it needs the grader role; an

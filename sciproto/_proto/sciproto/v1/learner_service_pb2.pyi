@@ -46,7 +46,7 @@ class _TrainObjectiveEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TrainO
     """
 
 class TrainObjective(_TrainObjective, metaclass=_TrainObjectiveEnumTypeWrapper):
-    """How a group's samples are trained (added after protocol 1.2)."""
+    """How a group's samples are trained (protocol 1.3)."""
 
 TRAIN_OBJECTIVE_UNSPECIFIED: TrainObjective.ValueType  # 0
 """GRPO, as before this field existed."""
@@ -328,7 +328,7 @@ class RolloutGroup(_message.Message):
     task_id: _builtins.str
     """Task identity, e.g. "train/17"."""
     objective: Global___TrainObjective.ValueType
-    """What the group trains (added after protocol 1.2; unset: GRPO)."""
+    """What the group trains (protocol 1.3; unset: GRPO)."""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Rollout]:
         """The samples."""

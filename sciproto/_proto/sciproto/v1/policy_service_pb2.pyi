@@ -21,6 +21,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _TensorDtype:
@@ -97,21 +102,36 @@ class _WeightTransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Weigh
     """Not set; means GRPC_CHUNKS."""
     WEIGHT_TRANSPORT_GRPC_CHUNKS: _WeightTransport.ValueType  # 1
     """In this stream's `data` chunks."""
-    WEIGHT_TRANSPORT_NCCL: _WeightTransport.ValueType  # 2
-    """Over NCCL from the learner (vLLM weight transfer); the stream only
-    carries the header.
+    WEIGHT_TRANSPORT_COLLECTIVE: _WeightTransport.ValueType  # 2
+    """Over the learner's collective group, the learner being rank 0: NCCL to vLLM
+    servers on GPUs, gloo to transformers servers and to vLLM on the CPU. The
+    stream only carries the header. This name since protocol 1.3.
     """
+    @_builtins.property
+    @_deprecated("""This enum value has been marked as deprecated using proto enum value options.""")
+    def WEIGHT_TRANSPORT_NCCL(self) -> _WeightTransport.ValueType:   # 2
+        """The same value under its name before protocol 1.3, which said NCCL though
+        gloo travels this way too; kept for a release.
+        """
 
 class WeightTransport(_WeightTransport, metaclass=_WeightTransportEnumTypeWrapper):
-    """How the tensor bytes of an update travel."""
+    """How the tensor bytes of an update travel.
+    buf:lint:ignore ENUM_NO_ALLOW_ALIAS
+    (one value, two names while the old one is deprecated; the wire is the same)
+    """
 
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport.ValueType  # 0
 """Not set; means GRPC_CHUNKS."""
 WEIGHT_TRANSPORT_GRPC_CHUNKS: WeightTransport.ValueType  # 1
 """In this stream's `data` chunks."""
+WEIGHT_TRANSPORT_COLLECTIVE: WeightTransport.ValueType  # 2
+"""Over the learner's collective group, the learner being rank 0: NCCL to vLLM
+servers on GPUs, gloo to transformers servers and to vLLM on the CPU. The
+stream only carries the header. This name since protocol 1.3.
+"""
 WEIGHT_TRANSPORT_NCCL: WeightTransport.ValueType  # 2
-"""Over NCCL from the learner (vLLM weight transfer); the stream only
-carries the header.
+"""The same value under its name before protocol 1.3, which said NCCL though
+gloo travels this way too; kept for a release.
 """
 Global___WeightTransport: _TypeAlias = WeightTransport  # noqa: Y015
 
@@ -183,7 +203,7 @@ class PolicyServiceDescribeResponse(_message.Message):
     """
     weights_digest: _builtins.bytes
     """WeightsProvenance.set_digest of the update serving now, after the server checked
-    every tensor it received against its TensorSpec.digest (added after 1.2); empty for
+    every tensor it received against its TensorSpec.digest (protocol 1.3); empty for
     the weights the server started with, for an update that carried no digests, and
     for NCCL updates on a GPU (vLLM loads those tensors as they arrive).
     """
@@ -315,7 +335,10 @@ class SamplingParams(_message.Message):
     """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Generation stops after any of these strings (included in the text)."""
+        """Generation stops at the first of these strings. The string is left out of
+        the text (as in OpenAI's API); completion_token_ids run through the token
+        that completed it, so they may decode to more than the text.
+        """
 
     def __init__(
         self,
@@ -588,7 +611,7 @@ class TensorSpec(_message.Message):
     """Element type."""
     digest: _builtins.bytes
     """XXH3-128 (16 bytes, xxhash's canonical big-endian form) of this tensor's bytes as
-    they travel: little-endian, in `dtype`, row-major (added after 1.2). In a
+    they travel: little-endian, in `dtype`, row-major (protocol 1.3). In a
     WeightsHeader: set on every tensor or on none; a server checks each tensor it
     received (gRPC chunks and gloo transfers alike; not NCCL transfers to vLLM on a
     GPU, which load each tensor as it arrives) before it swaps, and refuses
@@ -701,7 +724,7 @@ class WeightsProvenance(_message.Message):
     CPU).
     """
     set_digest: _builtins.bytes
-    """Digest of the whole set (added after 1.2): XXH3-128 of the tensors' 16-byte
+    """Digest of the whole set (protocol 1.3): XXH3-128 of the tensors' 16-byte
     TensorSpec.digest values concatenated in header order (so no byte is hashed
     twice). Set only with them; a server refuses a header whose set digest does not
     match its tensor digests (INVALID_ARGUMENT, reason INVALID_WEIGHTS), before any
