@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator
 
 from sciproto import pb
 from sciproto.channel import ChannelConfig
@@ -67,6 +67,7 @@ from sciproto.errors import (
     Unavailable,
 )
 from sciproto.pb import common_pb2, env_pb2, policy_pb2
+from sciproto.sampling import UNTRANSFORMED, Distribution, Sampling
 from sciproto.tracing import (
     Attr,
     Operation,
@@ -112,18 +113,6 @@ def _option_text(value: object) -> object:
 ResetOptions = dict[str, Annotated[str, BeforeValidator(_option_text)]]
 
 
-class Sampling(BaseModel):
-    """How each turn is sampled."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, ge=0, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens with this mass")
-    max_tokens: int = Field(256, ge=1, description="Most new tokens per turn")
-    stop: list[str] = Field(default_factory=list, description="A turn ends after any of these strings")
-    seed: int | None = Field(None, description="Same seed, prompt and weights: same samples")
-
-
 @dataclass(frozen=True)
 class AgentSettings:
     sampling: Sampling
@@ -158,6 +147,7 @@ class Completion:
 
     prompt_token_ids: list[int]
     sample: policy_pb2.GenerateSample
+    sampling: Distribution = UNTRANSFORMED  # what the sample was drawn from
 
 
 async def finish_despite_cancellation(operation: Awaitable[T]) -> T:
@@ -190,7 +180,7 @@ async def generate(policy: PolicyPool, settings: AgentSettings, messages: Sequen
         # The policy models served here take text: image parts stay in the transcript (and the
         # rollout record) and the policy sees the message's text.
         messages=[text_only(message) for message in messages], tools=tools, previous_token_ids=previous_token_ids, n=n,
-        temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=max_tokens,
         stop=sampling.stop, seed=sampling.seed, request_id=uuid.uuid4().hex)
     request.trace_context.CopyFrom(current_trace_context())
 
@@ -266,7 +256,7 @@ class SharedFirstTurn:
             raise
         for (_, future), sample in zip(waiters, group.samples):
             if not future.done():
-                future.set_result(Completion(group.prompt_token_ids, sample))
+                future.set_result(Completion(group.prompt_token_ids, sample, group.sampling))
 
     async def aclose(self) -> None:
         for call in self._calls:
@@ -399,7 +389,7 @@ class Episode:
             except SciprotoError as error:
                 raise self._policy_failure(error) from error
             span.set_attribute(Attr.POLICY_VERSION, group.policy_version)
-            return Completion(group.prompt_token_ids, group.samples[0])
+            return Completion(group.prompt_token_ids, group.samples[0], group.sampling)
 
     def _policy_failure(self, error: SciprotoError) -> Exception:
         if isinstance(error, FATAL_ERRORS):
@@ -414,7 +404,8 @@ class Episode:
         sample = completion.sample
         try:
             self.trajectory.add_turn(completion.prompt_token_ids, sample.completion_token_ids,
-                                     sample.logprobs, sample.version_spans, extends=not self.state_view)
+                                     sample.logprobs, sample.version_spans, extends=not self.state_view,
+                                     sampling=completion.sampling)
         except TokenDriftError as error:
             raise EpisodeFailed(str(error), restartable=False) from error
         self.finish_reasons.append(finish_reason_name(sample.finish_reason))
@@ -551,7 +542,7 @@ class Episode:
             messages=[MessageRecord.from_pb(m) for m in self.transcript],
             token_ids=self.trajectory.token_ids, loss_mask=self.trajectory.loss_mask,
             logprobs=self.trajectory.logprobs, version_spans=self.trajectory.version_spans,
-            turn_finish_reasons=self.finish_reasons, step_rewards=self.step_rewards,
+            sampling_spans=self.trajectory.sampling_spans, turn_finish_reasons=self.finish_reasons, step_rewards=self.step_rewards,
             tokens=self.trajectory.counts, policy_version=self.trajectory.versions,
             seconds=round(time.monotonic() - self.started, 4), trace_id=self.trace_id, error=self.error,
         )

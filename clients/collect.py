@@ -50,7 +50,6 @@ from clients.agent import (
     EnvPool,
     PolicyPool,
     ResetOptions,
-    Sampling,
     env_pool,
     policy_pool,
     run_group,
@@ -71,6 +70,7 @@ from sciproto.client.rollouts import (
 )
 from sciproto.config import load_config
 from sciproto.errors import SciprotoError
+from sciproto.sampling import EpisodeSettings, Sampling
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -86,14 +86,12 @@ class ReplicaSettings(BaseModel):
     wait_for_healthy_s: float = Field(30.0, gt=0, description="How long a call waits for some replica to be healthy")
 
 
-class CollectConfig(BaseModel):
-    """Settings of `sciproto collect` (addresses, tasks and counts come from the command line)."""
+class CollectConfig(EpisodeSettings):
+    """Settings of `sciproto collect` (addresses, tasks and counts come from the command line): how
+    each episode is played (sciproto.sampling.EpisodeSettings), and the run around them."""
 
     model_config = ConfigDict(extra="forbid")
 
-    sampling: Sampling = Field(default_factory=Sampling)
-    max_steps: int = Field(8, ge=1, description="Most Steps per episode")
-    max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
     grouping: Literal["trajectory", "step"] = Field(
         "trajectory", description="step: each line is a branch of a step group (clients.step_rollouts); "
                                   "--samples is then unused, step_groups.group_size is the group")
@@ -102,8 +100,6 @@ class CollectConfig(BaseModel):
         None, description="The notebook env's context policy, sent with every Reset (unset: the env's default)")
     reset_options: ResetOptions = Field(
         default_factory=dict, description="More per-episode env options sent with every Reset (notebook: action: code)")
-    retries: RetryPolicy = Field(default_factory=RetryPolicy)
-    deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     env_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the env servers")

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from clients.agent import EnvPool, PolicyPool, Sampling, env_pool, policy_pool
+from clients.agent import EnvPool, PolicyPool, env_pool, policy_pool
 from clients.collect import (
     ReplicaSettings,
     collect,
@@ -51,7 +51,6 @@ from clients.collect import (
 from clients.eval_report import EndReason, PassReport, analyse_pass, curriculum_of
 from sciproto.channel import ServerAccess, make_channel
 from sciproto.client.policy import PolicyClient
-from sciproto.client.retries import Deadlines, RetryPolicy
 from sciproto.client.rollouts import RolloutRecord
 from sciproto.config import load_config
 from sciproto.processes import ServerProcess, start_server
@@ -62,6 +61,7 @@ from sciproto.rundir import (
     is_checkpoint,
     latest_checkpoint,
 )
+from sciproto.sampling import EpisodeSettings, Sampling
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -87,19 +87,16 @@ class CheckpointServing(BaseModel):
     push_timeout_s: float = Field(300.0, gt=0, description="Longest the checkpoint's weight push may take")
 
 
-class EvalConfig(BaseModel):
-    """Settings of `sciproto eval` (addresses, tasks and counts come from the command line)."""
+class EvalConfig(EpisodeSettings):
+    """Settings of `sciproto eval` (addresses, tasks and counts come from the command line): how
+    each episode is played (sciproto.sampling.EpisodeSettings), and the report."""
 
     model_config = ConfigDict(extra="forbid")
 
     sampling: Sampling = Field(default_factory=lambda: Sampling(seed=0),
                                description="The sampled pass's sampling; the greedy pass uses temperature 0")
-    max_steps: int = Field(8, ge=1, description="Most Steps per episode")
-    max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory (prompt, environment and policy)")
     success_reward: float = Field(1.0, description="A rollout passes when its reward is at least this")
     confidence: float = Field(0.95, gt=0, lt=1, description="Of the pass@k intervals")
-    retries: RetryPolicy = Field(default_factory=RetryPolicy)
-    deadlines: Deadlines = Field(default_factory=Deadlines)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     env_access: ServerAccess = Field(default_factory=ServerAccess, description="Token and TLS of the env servers")

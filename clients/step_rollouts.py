@@ -117,13 +117,13 @@ def group_records(task: TaskKey, group: StepGroup,
         generation, sample = sampled[id(action)]
         tokens = Trajectory()
         tokens.add_turn(generation.prompt_token_ids, sample.completion_token_ids, sample.logprobs,
-                        sample.version_spans)
+                        sample.version_spans, sampling=generation.sampling)
         records.append(RolloutRecord(
             rollout_id=f"{group_id}/{i}", group_id=group_id, env=task.env, split=task.split,
             index=task.index, sample=i, status=RolloutStatus.SCORED, reward=group.rewards[i], steps=1,
             messages=[MessageRecord.from_pb(m) for m in [*group.prompt, action]],
             token_ids=tokens.token_ids, loss_mask=tokens.loss_mask, logprobs=tokens.logprobs,
-            version_spans=tokens.version_spans, turn_finish_reasons=[finish_reason_name(sample.finish_reason)],
+            version_spans=tokens.version_spans, sampling_spans=tokens.sampling_spans, turn_finish_reasons=[finish_reason_name(sample.finish_reason)],
             step_rewards=[group.step_rewards[i]], tokens=tokens.counts, policy_version=tokens.versions))
     return RolloutGroup(task, records, step=group.step)
 

@@ -60,7 +60,7 @@ def session_records(session: Session, outcome: Outcome, first_sample: int) -> li
         for call in calls:
             sample = call.choices[call.chosen].sample
             trajectory.add_turn(call.prompt_token_ids, sample.completion_token_ids, sample.logprobs,
-                                sample.version_spans)
+                                sample.version_spans, sampling=call.sampling)
         last = calls[-1]
         reply = last.choices[last.chosen]
         messages = [MessageRecord.from_pb(m) for m in last.messages]
@@ -76,7 +76,7 @@ def session_records(session: Session, outcome: Outcome, first_sample: int) -> li
             status=outcome.status, reward=outcome.reward if outcome.status is RolloutStatus.SCORED else 0.0,
             error=outcome.error, terminated=True, steps=len(calls), messages=messages,
             token_ids=trajectory.token_ids, loss_mask=trajectory.loss_mask, logprobs=trajectory.logprobs,
-            version_spans=trajectory.version_spans,
+            version_spans=trajectory.version_spans, sampling_spans=trajectory.sampling_spans,
             turn_finish_reasons=[finish_reason_name(c.choices[c.chosen].sample.finish_reason) for c in calls],
             tokens=trajectory.counts, policy_version=trajectory.versions))
     return records

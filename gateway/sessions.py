@@ -20,6 +20,7 @@ from typing import Any
 from gateway.chat import ChatCall, Choice
 from gateway.errors import ApiError
 from sciproto.pb import common_pb2, policy_pb2
+from sciproto.sampling import UNTRANSFORMED, Distribution, distribution_from_pb
 
 __all__ = ["CallRecord", "Plan", "Session", "SessionLimits", "SessionStore"]
 
@@ -38,6 +39,9 @@ class CallRecord:
     normal_tools: list[dict[str, Any]]
     choices: list[Choice]
     chosen: int = 0  # the sample the session went on with (the next call's assistant message)
+    # The distribution the call's samples were drawn from: the temperature, top_p and top_k the
+    # agent sent (unset: sciproto.sampling's defaults), so training computes log pi under it.
+    sampling: Distribution = UNTRANSFORMED
 
     @property
     def tokens(self) -> int:
@@ -47,6 +51,7 @@ class CallRecord:
         return {
             "segment": self.segment, "extends": self.extends, "new_segment_reason": self.new_segment_reason,
             "prompt_token_ids": self.prompt_token_ids, "policy_version": self.policy_version, "chosen": self.chosen,
+            "sampling": self.sampling._asdict(),
             "choices": [{"completion_token_ids": list(c.sample.completion_token_ids),
                          "logprobs": list(c.sample.logprobs), "finish_reason": c.finish_reason,
                          "version_spans": [[s.start, s.end, s.policy_version] for s in c.sample.version_spans]}
@@ -106,8 +111,9 @@ class Session:
         if plan.continued is not None and extends:
             plan.continued[0].chosen = plan.continued[1]
         segment = (self.calls[-1].segment + (0 if extends else 1)) if self.calls else 0
+        sent = policy_pb2.SamplingParams(temperature=call.temperature, top_p=call.top_p, top_k=call.top_k)
         record = CallRecord(segment, extends, reason, prompt_ids, policy_version, call.messages,
-                            call.normal_messages, call.normal_tools, choices)
+                            call.normal_messages, call.normal_tools, choices, sampling=distribution_from_pb(sent))
         self.calls.append(record)
         return record
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sciproto.sampling import SAMPLING_DEFAULTS
+
 
 class GRPOConfig(BaseModel):
     """Every knob of one GRPO training step. Defaults suit small models learning toy tasks."""
@@ -29,10 +31,12 @@ class GRPOConfig(BaseModel):
     # tokens above the cap dropped ("mask"), or ignored ("off").
     is_cap: float = Field(default=2.0, gt=0)
     is_correction: Literal["truncate", "mask", "off"] = "truncate"
-    # The temperature the rollouts were sampled at: pi_theta = softmax(logits / temperature), the
-    # policy that sampled them, so pi_old / mu is 1 for the weights that generated. `sciproto train`
-    # sets it from rollout.sampling.temperature.
-    temperature: float = Field(default=1.0, gt=0)
+    # The temperature of trained tokens whose rollout does not say what sampled them (a sender
+    # before protocol 1.3; Rollout.sampling_spans otherwise gives each turn's temperature, top_p and
+    # top_k, and the learner trains each token under its own): pi_theta = softmax(logits /
+    # temperature), the policy that sampled them, so pi_old / mu is 1 for the weights that
+    # generated. `sciproto train` sets it from rollout.sampling.temperature.
+    temperature: float = Field(default=SAMPLING_DEFAULTS.temperature, gt=0)
     # Optimizer steps per batch (PPO/DAPO mini-batches): pi_old is computed once for the whole
     # batch before the first step, then the batch is split in order into this many parts of about
     # equal trained tokens, one AdamW step each; rho = pi_theta / pi_old is 1 only in the first,

@@ -3,9 +3,10 @@
 Notation (per trained token t of sample i in group g):
     r_i          reward of sample i (SCORED samples only)
     A_i          = (r_i - mean_g r) / (std_g r + adv_eps)               group-normalised advantage
-    pi_theta     the policy being trained, at the rollouts' sampling temperature T:
-                 pi_theta(y_t) = softmax(logits_t / T)[y_t]; mu the rollout policy (the policy
-                 servers' logprobs, of the same tempered distribution)
+    pi_theta     the policy being trained, under the distribution that sampled y_t: its
+                 temperature T_t, top-k and top-p (sciproto/sampling.py; learner/logprobs.py),
+                 pi_theta(y_t) = softmax(logits_t / T_t over the kept tokens)[y_t]; mu the rollout
+                 policy (the policy servers' logprobs, of the same processed distribution)
     pi_old       the policy before the batch's first optimizer step (fixed for the whole batch)
     rho_t        = pi_theta(y_t) / pi_old(y_t)                           PPO ratio
     w_t          = min(pi_old(y_t) / mu(y_t), is_cap)  (detached)        truncated importance weight
@@ -46,6 +47,9 @@ class TrainSequence:
     policy_versions: torch.Tensor | None = None
     # Its group's place in the batch (-1: none): the packing keeps a group's sequences together.
     group: int = -1
+    # [T, 3] float: (temperature, top_p, top_k) each token was sampled under; None: the
+    # learner's temperature, untruncated, everywhere.
+    sampling: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -121,6 +125,7 @@ def split_into_transitions(sample: TrainSample) -> list[TrainSample]:
                     "loss_mask": [0] * start + [1] * (t - start),
                     "rollout_logprobs": sample.rollout_logprobs[:t],
                     "policy_versions": sample.policy_versions[:t],
+                    "sampling_spans": [span for span in sample.sampling_spans if span[0] < t],
                 }
             )
         )
@@ -134,7 +139,17 @@ def turn_prompt_lengths(sample: TrainSample) -> list[int]:
     return [t for t in range(1, len(mask)) if mask[t] == 1 and mask[t - 1] == 0]
 
 
-def _to_sequence(sample: TrainSample, advantage: float, group: int) -> TrainSequence:
+def sampling_tensor(sample: TrainSample, temperature: float) -> torch.Tensor:
+    """[T, 3] (temperature, top_p, top_k) of each token: its sampling span's, else (temperature,
+    1, 0)."""
+    n = len(sample.token_ids)
+    table = torch.tensor([[temperature, 1.0, 0.0]]).repeat(n, 1)
+    for start, end, t, top_p, top_k in sample.sampling_spans:
+        table[start:min(end, n)] = torch.tensor([t, top_p, float(top_k)])
+    return table
+
+
+def _to_sequence(sample: TrainSample, advantage: float, group: int, temperature: float) -> TrainSequence:
     return TrainSequence(
         token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
         loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
@@ -142,6 +157,7 @@ def _to_sequence(sample: TrainSample, advantage: float, group: int) -> TrainSequ
         advantage=advantage,
         policy_versions=torch.tensor(sample.policy_versions, dtype=torch.long),
         group=group,
+        sampling=sampling_tensor(sample, temperature),
     )
 
 
@@ -175,7 +191,7 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
             if sample.num_trained_tokens == 0:
                 continue  # nothing to train: it would only cost a forward pass
             parts = split_into_transitions(sample) if config.per_transition else [sample]
-            sequences.extend(_to_sequence(part, advantage, index) for part in parts)
+            sequences.extend(_to_sequence(part, advantage, index, config.temperature) for part in parts)
     num_tokens = int(sum(seq.loss_mask.sum().item() for seq in sequences))
     return BatchPlan(
         sequences=sequences,
@@ -284,12 +300,20 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
     policy_versions: torch.Tensor  # [B, T-1] long, -1 where unknown or not trained
+    # [B, T-1, 3] float: (temperature, top_p, top_k) each predicted token was sampled under
+    sampling: torch.Tensor
+
+    @property
+    def truncated(self) -> bool:
+        """Some token was sampled with top-p or top-k."""
+        return bool(((self.sampling[..., 1] < 1) | (self.sampling[..., 2] > 0)).any())
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0) -> MicroBatch:
+def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0, temperature: float = 1.0) -> MicroBatch:
+    """`temperature`: of the sequences that do not say what sampled them (TrainSequence.sampling)."""
     if not sequences:
         raise ValueError("pad_right needs at least one sequence")
     length = max(seq.length for seq in sequences)
@@ -306,7 +330,15 @@ def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0) -> Micr
         rollout_logprobs=stack([s.rollout_logprobs for s in sequences], 0.0)[:, 1:],
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
         policy_versions=stack([_versions(s) for s in sequences], -1)[:, 1:],
+        sampling=torch.stack([F.pad(_sampling(s, temperature), (0, 0, 0, length - s.length), value=1.0)
+                              for s in sequences])[:, 1:],
     )
+
+
+def _sampling(sequence: TrainSequence, temperature: float) -> torch.Tensor:
+    if sequence.sampling is not None:
+        return sequence.sampling
+    return torch.tensor([[temperature, 1.0, 0.0]]).repeat(sequence.length, 1)
 
 
 def _versions(sequence: TrainSequence) -> torch.Tensor:
@@ -316,15 +348,21 @@ def _versions(sequence: TrainSequence) -> torch.Tensor:
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, sampling: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | y_<t) for t >= 1 and the policy entropy at each position (detached), of the
-    policy sampled at `temperature`: pi = softmax(logits / T).
+    policy sampled at `temperature`: pi = softmax(logits / T); or, with `sampling` [B, T-1, 3]
+    (MicroBatch.sampling), each token under its own temperature, top-p and top-k.
 
     logits[:, t] predicts input_ids[:, t + 1]; computed in float32 whatever the model dtype, a
     chunk of positions at a time (learner/logprobs.py: no full-size float32 copies are kept).
     """
-    return token_logprobs(logits, input_ids[:, 1:], temperature)
+    if sampling is None:
+        return token_logprobs(logits, input_ids[:, 1:], temperature)
+    top_p, top_k = sampling[..., 1], sampling[..., 2].long()
+    if not bool(((top_p < 1) | (top_k > 0)).any()):
+        top_p = top_k = None  # type: ignore[assignment]
+    return token_logprobs(logits, input_ids[:, 1:], sampling[..., 0].contiguous(), top_p=top_p, top_k=top_k)
 
 
 # Order of the summed statistics, so that ranks can all-reduce them as one tensor.

@@ -27,13 +27,18 @@ from learner.grpo import MicroBatch, token_logprobs_and_entropy
 
 def shared_prefix_length(batch: MicroBatch) -> int:
     """Length of the token prefix all rows share, within the shortest row and leaving at least
-    one position to run batched; 0 for a single row."""
+    one position to run batched; 0 for a single row. The prefix's tokens are predicted once, so
+    the rows must also agree on the sampling each of them was drawn under."""
     ids = batch.input_ids
     if ids.shape[0] < 2:
         return 0
     shortest = int(batch.attention_mask.sum(dim=1).min())
     differs = (ids[:, :shortest] != ids[:1, :shortest]).any(dim=0).nonzero()
     length = int(differs[0]) if differs.numel() else shortest
+    # position j of `sampling` predicts ids[:, j + 1]: a prefix of P tokens predicts j < P - 1
+    sampled = (batch.sampling != batch.sampling[:1]).any(dim=-1).any(dim=0).nonzero()
+    if sampled.numel():
+        length = min(length, int(sampled[0]) + 1)
     return min(length, ids.shape[1] - 1)
 
 
@@ -58,15 +63,16 @@ def usable_shared_prefix(model: nn.Module, batch: MicroBatch, min_shared_prefix:
 
 
 def sequence_logprobs_and_entropy(
-    model: nn.Module, batch: MicroBatch, shared: int, temperature: float = 1.0
+    model: nn.Module, batch: MicroBatch, shared: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | y_<t) and the entropy for t >= 1, [B, T-1] each, as `token_logprobs_and_entropy`
-    of the full forward at `temperature`; the first `shared` tokens (0: none, see
-    `usable_shared_prefix`), common to every row, run once."""
+    of the full forward under each token's sampling (`batch.sampling`); the first `shared` tokens
+    (0: none, see `usable_shared_prefix`), common to every row, run once."""
     ids = batch.input_ids
+    sampling = batch.sampling
     if shared == 0:
         logits = _logits_of(model(input_ids=ids, attention_mask=batch.attention_mask))
-        return token_logprobs_and_entropy(logits, ids, temperature)
+        return token_logprobs_and_entropy(logits, ids, sampling=sampling)
     rows = ids.shape[0]
     argument = _cache_argument(type(model))
     prefix = model(input_ids=ids[:1, :shared], use_cache=True)
@@ -78,9 +84,9 @@ def sequence_logprobs_and_entropy(
     # Three spans of predicted tokens, so the prefix's softmax over the vocabulary runs once:
     # ids[1:P] from the prefix logits (shared by all rows), ids[P] from the prefix's last logits
     # (one token per row), ids[P+1:] from the suffix logits.
-    head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared], temperature)
+    head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared], sampling=sampling[:1, :shared - 1])
     edge = token_logprobs_and_entropy(torch.cat([prefix.logits[:, -1:].expand(rows, -1, -1), suffix[:, :1]], dim=1),
-                                      ids[:, shared - 1:shared + 1], temperature)
-    tail = token_logprobs_and_entropy(suffix, ids[:, shared:], temperature)
+                                      ids[:, shared - 1:shared + 1], sampling=sampling[:, shared - 1:shared])
+    tail = token_logprobs_and_entropy(suffix, ids[:, shared:], sampling=sampling[:, shared:])
     return tuple(  # type: ignore[return-value]
         torch.cat([h.expand(rows, -1), e, t], dim=1) for h, e, t in zip(head, edge, tail, strict=True))

@@ -72,6 +72,7 @@ from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
 from sciproto.pb import common_pb2, learner_pb2, policy_pb2
 from sciproto.rundir import LEARNER_STATE_FILE, latest_checkpoint
+from sciproto.sampling import distribution_from_pb
 from sciproto.server import server_info
 
 log = logging.getLogger(__name__)
@@ -138,10 +139,24 @@ def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int, *, sft: bool =
             sample_index=rollout.sample_index,
             turn_finish_reasons=_finish_reasons(rollout),
             step_rewards=list(rollout.step_rewards),
+            sampling_spans=_sampling_spans(rollout),
         )
     except ValidationError as error:
         reasons = "; ".join(e["msg"] for e in error.errors())
         raise InvalidGroup(f"sample {rollout.sample_index}: {reasons}") from None
+
+
+def _sampling_spans(rollout: learner_pb2.Rollout) -> list[tuple[int, int, float, float, int]]:
+    """Each span's distribution (sciproto.sampling: unset fields read as their defaults, a greedy
+    turn as untransformed); InvalidGroup names a span the learner cannot train under."""
+    spans = []
+    for number, span in enumerate(rollout.sampling_spans):
+        try:
+            distribution = distribution_from_pb(span.sampling)
+        except ValueError as error:
+            raise InvalidGroup(f"sample {rollout.sample_index}: sampling_spans[{number}]: {error}") from None
+        spans.append((span.start, span.end, *distribution))
+    return spans
 
 
 def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:

@@ -389,7 +389,7 @@ class GRPOTrainer:
             for index, (batch, shared) in enumerate(micro):
                 self._next_micro_batch()
                 with self.compute():
-                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared, self.config.temperature)
+                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
                 old = logprobs.detach() if part_old is None else part_old[index]
                 ref_logprobs = self._reference_logprobs(batch, shared)
                 # This micro-batch's share of L_k: -(1/N_k) sum_t J_t over its tokens.
@@ -432,12 +432,13 @@ class GRPOTrainer:
         packed = split_micro_batches(local, config.micro_batch_tokens, config.shared_prefix_min_tokens)
         count = int(all_reduce(torch.tensor(len(packed)), dist.ReduceOp.MAX))
         packed += [[self._empty_sequence()]] * (count - len(packed))
-        batches = [pad_right(sequences, self.pad_token_id).to(self.device) for sequences in packed]
+        batches = [pad_right(sequences, self.pad_token_id, self.config.temperature).to(self.device)
+                   for sequences in packed]
         return [(batch, self._shared_prefix(batch)) for batch in batches]
 
     def _logprobs_no_grad(self, model: nn.Module, micro: list[tuple[MicroBatch, int]]) -> list[torch.Tensor]:
         with torch.no_grad(), self.compute():
-            return [sequence_logprobs_and_entropy(model, batch, shared, self.config.temperature)[0]
+            return [sequence_logprobs_and_entropy(model, batch, shared)[0]
                     for batch, shared in micro]
 
     def _empty_sequence(self) -> TrainSequence:

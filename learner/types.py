@@ -48,6 +48,10 @@ class TrainSample(BaseModel):
     # The environment's reward of each step, in order (`reward` is the trajectory's grade); empty
     # when the sender did not say.
     step_rewards: list[float] = []
+    # (start, end, temperature, top_p, top_k): tokens [start, end) were sampled from that
+    # distribution (sciproto/sampling.py; greedy turns read (1, 1, 0)). Trained tokens outside
+    # every span were sampled at learner.grpo.temperature without truncation.
+    sampling_spans: list[tuple[int, int, float, float, int]] = []
 
     @model_validator(mode="after")
     def _check_alignment(self) -> TrainSample:
@@ -75,6 +79,13 @@ class TrainSample(BaseModel):
         if self.reward_status is RewardStatus.SCORED and not math.isfinite(self.reward):
             raise ValueError("TrainSample.reward must be finite for a SCORED sample; "
                              "mark a sample that could not be scored UNSCORED or INFRA_ERROR")
+        for start, end, temperature, top_p, top_k in self.sampling_spans:
+            if not 0 <= start < end <= n:
+                raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}) lies outside token_ids [0, {n})")
+            if not (0 < temperature < math.inf and 0 < top_p <= 1 and top_k >= 0):
+                raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}) has temperature {temperature},"
+                                 f" top_p {top_p}, top_k {top_k}; a sampled distribution needs temperature > 0,"
+                                 " top_p in (0, 1] and top_k >= 0 (a greedy turn reads 1, 1, 0)")
         if not all(math.isfinite(r) for r in self.step_rewards):
             raise ValueError("TrainSample.step_rewards must all be finite (no NaN or infinity)")
         return self

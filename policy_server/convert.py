@@ -4,8 +4,9 @@ what the client must fix), and the backend's deltas and samples back into stream
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
+
+from pydantic import ValidationError
 
 from policy_server import types
 from sciproto.errors import InvalidArgument, Reason, Unimplemented
@@ -72,27 +73,23 @@ def tool_spec(tool: common_pb2.ToolSpec, index: int) -> dict[str, Any]:
 def sampling_params(request: policy_pb2.GenerateRequest, default_max_tokens: int,
                     max_samples: int) -> types.SamplingParams:
     sampling = request.sampling
-    # proto3 `optional`: unset temperature / top_p mean 1.0, not the zero default
-    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     n = request.n or 1
-    if not 0 <= temperature < math.inf:  # also refuses NaN, which would sample NaN logprobs
-        raise _invalid(f"sampling.temperature is {temperature}; use 0 (greedy) or a positive finite value")
-    if not 0 < top_p <= 1:
-        raise _invalid(f"sampling.top_p is {top_p}; it must be in (0, 1], or unset for 1.0")
     if n > max_samples:
         raise _invalid(f"n is {n}; this server draws at most {max_samples} samples per request: "
                        "split the group into several requests")
-    if any(not stop for stop in sampling.stop):
-        raise _invalid("sampling.stop holds an empty string; remove it")
-    return types.SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=sampling.max_tokens or default_max_tokens,
-        stop=list(sampling.stop),
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        n=n,
-    )
+    # proto3 `optional`: an unset temperature / top_p / top_k takes sciproto.sampling's default,
+    # not the zero default
+    given = {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "seed")
+             if sampling.HasField(name)}
+    try:
+        return types.SamplingParams(**given, max_tokens=sampling.max_tokens or default_max_tokens,
+                                    stop=list(sampling.stop), n=n)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        message = str(first["ctx"]["error"]) if "ctx" in first and "error" in first["ctx"] else first["msg"]
+        # a range check's message starts with the field's name (sciproto.sampling.check_sampling)
+        raise _invalid(f"sampling.{field}: {message}" if field else f"sampling.{message}") from None
 
 
 def generation_request(request: policy_pb2.GenerateRequest, default_max_tokens: int,

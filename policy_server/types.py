@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from pydantic import Field
+
+from sciproto.sampling import Sampling
 from sciproto.weights.tensors import (  # noqa: F401 - named here for the backends
     TensorSpec,
     WeightUpdateManifest,
@@ -70,28 +73,11 @@ class ChatMessage:
         return out
 
 
-@dataclass
-class SamplingParams:
-    """How to sample. temperature 0 means greedy decoding."""
+class SamplingParams(Sampling):
+    """How to sample (sciproto.sampling.Sampling: temperature 0 is greedy; seed None draws fresh
+    entropy per request), and how many samples of the prompt to draw."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None  # None: fresh entropy per request
-    n: int = 1  # samples drawn from the same prompt (a GRPO group)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+    n: int = Field(1, ge=1, description="Samples drawn from the same prompt (a GRPO group)")
 
 
 @dataclass

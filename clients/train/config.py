@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from clients.agent import ResetOptions, Sampling
+from clients.agent import ResetOptions
 from clients.agent_process import AgentProgram
 from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
@@ -21,9 +21,9 @@ from env_servers.catalog import check_name, import_modules
 from env_servers.config import EnvServerConfig
 from learner.server_config import LearnerServerConfig
 from policy_server.config import PolicyServerConfig
-from sciproto.client.retries import Deadlines, RetryPolicy
 from sciproto.client.rollouts import RolloutDetail
 from sciproto.config import ConfigError, load_config
+from sciproto.sampling import EpisodeSettings
 
 
 class RunSettings(BaseModel):
@@ -107,8 +107,9 @@ class AgentCommand(BaseModel):
         return self
 
 
-class RolloutSettings(BaseModel):
-    """The in-process rollout client."""
+class RolloutSettings(EpisodeSettings):
+    """The in-process rollout client: how its episodes are played (sciproto.sampling.EpisodeSettings)
+    and which."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -155,14 +156,9 @@ class RolloutSettings(BaseModel):
             " its own requests set its sampling, so rollout.sampling, max_steps and max_tokens do not apply"
         ),
     )
-    sampling: Sampling = Field(default_factory=Sampling)
-    max_steps: int = Field(8, ge=1, description="Most environment Steps per episode")
-    max_tokens: int = Field(4096, ge=1, description="Most tokens per trajectory")
     rollouts_file: RolloutDetail = Field(
         "full", description="rollouts.jsonl lines: full (token arrays too) or summary (see sciproto.client.rollouts)"
     )
-    retries: RetryPolicy = Field(default_factory=RetryPolicy)
-    deadlines: Deadlines = Field(default_factory=Deadlines)
     learner_reconnect_s: float = Field(
         300.0,
         gt=0,
@@ -261,7 +257,12 @@ class TrainConfig(BaseModel):
         self.learner.model = self.policy.model
         self.learner.model_seed = self.policy.seed
         # ... and train the policy that sampled: the tempered one (greedy rollouts report T = 1).
-        sampled_at = self.rollout.sampling.temperature or 1.0
+        # Each rollout also says what sampled its turns (sciproto/sampling.py), and the learner
+        # trains each token under that; this temperature is for tokens of senders that do not.
+        sampled_at = self.rollout.sampling.distribution.temperature
+        if self.policy.backend == "openai" and self.rollout.sampling.top_k:
+            raise ValueError(f"rollout.sampling.top_k {self.rollout.sampling.top_k}: policy.backend openai sends"
+                             " no top_k to its endpoint; leave top_k 0 or use the transformers or vllm backend")
         grpo = self.learner.grpo
         if "temperature" not in grpo.model_fields_set:
             grpo.temperature = sampled_at

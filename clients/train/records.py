@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from clients.step_rollouts import StepTask
 from clients.train.config import Budget
 from sciproto.client.rollouts import FINISH_REASON_TO_PB, RolloutGroup, RolloutRecord, RolloutStatus
-from sciproto.pb import common_pb2, learner_pb2
+from sciproto.pb import common_pb2, learner_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
         turns=record.steps,
         turn_finish_reasons=[FINISH_REASON_TO_PB[reason] for reason in record.turn_finish_reasons],
         step_rewards=record.step_rewards,
+        sampling_spans=[
+            learner_pb2.SamplingSpan(start=start, end=end, sampling=policy_pb2.SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k))
+            for start, end, temperature, top_p, top_k in record.sampling_spans
+        ],
     )
 
 

@@ -153,6 +153,10 @@ class OpenAIBackend:
 
     def _request_body(self, request: GenerationRequest) -> tuple[dict[str, Any], str]:
         sampling = request.sampling
+        if sampling.top_k:
+            # OpenAI's request body has no top_k: refused, never dropped
+            raise ValueError(f"sampling.top_k is {sampling.top_k}, and the openai backend's endpoint takes no top_k;"
+                             " leave it unset (0), or serve the model with the transformers or vllm backend")
         body: dict[str, Any] = {
             "model": self._model,
             "stream": True,

@@ -135,7 +135,7 @@ class TransformersBackend:
         self._prefilling: list[_Job] = []  # admitted this step, rows not yet created
         self._rows: list[_Row] = []
         self._sampling_rows: list[_Row] | None = None  # the rows `_sampling` was built for
-        self._sampling: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        self._sampling: tuple[torch.Tensor, ...] = (torch.empty(0), torch.empty(0), torch.empty(0))
         self._batch: DecodeBatch | None = None
         self._next_tokens: torch.Tensor | None = None
         self._engine_lock = threading.Lock()  # held while the model runs or weights change
@@ -346,22 +346,23 @@ class TransformersBackend:
                 self._rows = self._rows + [row for job in joining for row in self._new_rows(job)]
                 self._prefilling = []
             all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
-            temperature, top_p = self._sampling_tensors(all_logits.device)
+            temperature, top_p, top_k = self._sampling_tensors(all_logits.device)
             # one draw per sampled row from its own stream; greedy rows never use theirs
             uniforms = torch.tensor(
                 [row.rng.random() if row.sampled else 0.0 for row in self._rows],
                 dtype=torch.float64,
             )
-            tokens, logprobs = sample_next_tokens(all_logits, temperature, top_p, uniforms)
+            tokens, logprobs = sample_next_tokens(all_logits, temperature, top_p, uniforms, top_k)
         self._consume(tokens, logprobs.tolist(), tokens.tolist())
 
-    def _sampling_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row temperature and top_p, rebuilt only when the rows changed (every change
+    def _sampling_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row temperature, top_p and top_k, rebuilt only when the rows changed (every change
         assigns a new `self._rows` list)."""
         if self._sampling_rows is not self._rows:
             temperature = torch.tensor([row.job.sampling.temperature for row in self._rows])
             top_p = torch.tensor([row.job.sampling.top_p for row in self._rows])
-            self._sampling = (temperature.to(device), top_p.to(device))
+            top_k = torch.tensor([row.job.sampling.top_k for row in self._rows], dtype=torch.long)
+            self._sampling = (temperature.to(device), top_p.to(device), top_k.to(device))
             self._sampling_rows = self._rows
         return self._sampling
 

@@ -5,7 +5,8 @@ Sampling: every request goes to the engine as prompt token ids (built by `policy
 from the model's Hugging Face tokenizer, so multi-turn extension is the same as in the
 `transformers` backend) with `logprobs=0` under `logprobs_mode="processed_logprobs"`: the engine
 returns the log-probability of each sampled token under the distribution it was drawn from, after
-temperature and top-p. Outputs stream as deltas. A caller that leaves aborts its request.
+temperature, top-k and top-p (vLLM applies them in that order, by the rule sciproto/sampling.py
+states, and the learner recomputes). Outputs stream as deltas. A caller that leaves aborts its request.
 
 Weights: updates go through vLLM's weight-transfer session (`start_weight_update`, loading,
 `finish_weight_update`) with generation paused in "keep" mode: running requests freeze and resume
@@ -145,7 +146,7 @@ class VllmOptions(BaseModel):
             "enforce_eager": self.enforce_eager,
             "enable_prefix_caching": self.enable_prefix_caching,
             "trust_remote_code": self.trust_remote_code,
-            # logprobs after temperature and top-p: what the sampled token was drawn from
+            # logprobs after temperature, top-k and top-p: what the sampled token was drawn from
             "logprobs_mode": "processed_logprobs",
             # the update session (start/update/finish_weight_update) needs a transfer engine even
             # when tensors come as gRPC chunks; it joins the learner's group only when first used
@@ -166,6 +167,7 @@ def sampling_kwargs(sampling: SamplingParams, max_tokens: int) -> dict[str, Any]
         "n": sampling.n,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
+        "top_k": sampling.top_k,  # 0: every token, in vLLM as here
         "max_tokens": max_tokens,
         "stop": list(sampling.stop) or None,
         "include_stop_str_in_output": False,  # like the transformers backend: text ends before it

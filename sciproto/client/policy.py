@@ -22,6 +22,7 @@ from sciproto.channel import ChannelConfig, make_channel
 from sciproto.client.protocol import check_protocol
 from sciproto.errors import from_rpc_error
 from sciproto.pb import common_pb2, policy_grpc, policy_pb2
+from sciproto.sampling import UNTRANSFORMED, Distribution, distribution_from_pb
 from sciproto.tracing import current_trace_context
 from sciproto.units import MiB
 
@@ -50,6 +51,7 @@ def generate_request(
     prompt_token_ids: Sequence[int] = (),
     temperature: float | None = None,
     top_p: float | None = None,
+    top_k: int | None = None,
     max_tokens: int = 0,
     stop: Sequence[str] = (),
     seed: int | None = None,
@@ -57,10 +59,11 @@ def generate_request(
     request_id: str = "",
 ) -> policy_pb2.GenerateRequest:
     """A GenerateRequest from chat `messages` (+ tools, previous turn's ids) or `prompt_token_ids`.
-    None leaves temperature / top_p / seed unset (the server's defaults: 1.0, 1.0, its choice)."""
+    None leaves temperature / top_p / top_k / seed unset (the defaults of sciproto.sampling; the
+    server's choice of seed)."""
     if bool(messages) == bool(prompt_token_ids):
         raise ValueError("give either messages or prompt_token_ids, not both and not neither")
-    sampling = policy_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+    sampling = policy_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                          stop=list(stop), seed=seed)
     request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n,
                                          trace_context=current_trace_context())
@@ -79,6 +82,9 @@ class GenerationGroup:
     prompt_token_ids: list[int]
     policy_version: int  # at the start of sampling; each sample's version_spans are exact
     samples: list[policy_pb2.GenerateSample]  # ordered by sample_index
+    # The distribution the samples were drawn from: the request's temperature, top_p and top_k,
+    # which the server applies or refuses (sciproto/sampling.py).
+    sampling: Distribution = UNTRANSFORMED
 
 
 class PolicyClient:
@@ -145,7 +151,8 @@ class PolicyClient:
             raise RuntimeError("the Generate stream ended without its prompt event; is the server a sciproto "
                                "policy server?")
         samples.sort(key=lambda sample: sample.sample_index)
-        return GenerationGroup(list(prompt.token_ids), prompt.policy_version, samples)
+        return GenerationGroup(list(prompt.token_ids), prompt.policy_version, samples,
+                               distribution_from_pb(request.sampling))
 
     async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                            chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,

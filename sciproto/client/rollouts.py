@@ -17,6 +17,7 @@ One JSON object per line, UTF-8:
                    "tool_call_id": "", "name": ""}, ...],
      "token_ids": [...], "loss_mask": [...], "logprobs": [...],  # whole trajectory, aligned
      "version_spans": [[start, end, version], ...],             # indices into token_ids
+     "sampling_spans": [[start, end, temperature, top_p, top_k], ...],  # what sampled those tokens
      "turn_finish_reasons": ["stop" | "length" | "abort" | "unspecified", ...],  # per policy turn
      "step_rewards": [0.0, ...],                                # each Step's reward, in order
      "tokens": {"prompt": 120, "completion": 40},
@@ -30,7 +31,9 @@ One JSON object per line, UTF-8:
 rollout (the environment failed, or a server stayed unreachable) must never be trained on; its
 reward is 0 only as a placeholder and `error` says what failed. `turn_finish_reasons` says why each
 policy turn ended ("length": cut by its token limit); `step_rewards` holds the environment's reward
-of each Step (`reward` is the Verify grade). Both are empty in files written before they existed.
+of each Step (`reward` is the Verify grade); `sampling_spans` the distribution each policy turn was
+drawn from (sciproto/sampling.py; a greedy turn reads 1, 1, 0), which training computes log pi
+under. All three are empty in files written before they existed.
 
 Why full files are large: a line holds every token id, its loss-mask bit and its log-probability
 (a float written as up to 20 characters of JSON text) for the whole trajectory, prompt included,
@@ -56,6 +59,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from sciproto.pb import common_pb2, policy_pb2
+from sciproto.sampling import Distribution
 
 SCHEMA = "sciproto.rollout/1"
 RolloutDetail = Literal["full", "summary"]
@@ -218,6 +222,9 @@ class RolloutRecord(BaseModel):
     loss_mask: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     version_spans: list[tuple[int, int, int]] = Field(default_factory=list)
+    sampling_spans: list[tuple[int, int, float, float, int]] = Field(
+        default_factory=list, description="[start, end, temperature, top_p, top_k]: the distribution those tokens were"
+        " sampled from")
     turn_finish_reasons: list[FinishReasonName] = Field(
         default_factory=list, description='Why each policy turn ended, in order; "length": cut by its token limit')
     step_rewards: list[float] = Field(default_factory=list, description="The environment's reward of each Step, in order")
@@ -239,6 +246,8 @@ class RolloutRecord(BaseModel):
                              f" and logprobs ({len(self.logprobs)}) must have the same length")
         if any(start < 0 or end > n or start >= end for start, end, _ in self.version_spans):
             raise ValueError(f"rollout {self.rollout_id}: version_spans must lie within token_ids [0, {n})")
+        if any(start < 0 or end > n or start >= end for start, end, *_ in self.sampling_spans):
+            raise ValueError(f"rollout {self.rollout_id}: sampling_spans must lie within token_ids [0, {n})")
         if self.status is RolloutStatus.INFRA_ERROR and not self.error:
             raise ValueError(f"rollout {self.rollout_id}: an INFRA_ERROR rollout must say what failed in `error`")
         return self
@@ -248,7 +257,7 @@ class RolloutRecord(BaseModel):
         record = self
         if detail == "summary":
             record = self.model_copy(update={"token_ids": [], "loss_mask": [], "logprobs": [],
-                                             "version_spans": [], "detail": "summary"})
+                                             "version_spans": [], "sampling_spans": [], "detail": "summary"})
         return record.model_dump_json(by_alias=True) + "\n"
 
 
@@ -295,13 +304,15 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    sampling_spans: list[tuple[int, int, float, float, int]] = field(default_factory=list)
     last_turn_tokens: int = 0  # prompt + completion of the latest turn
 
     def add_turn(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                  logprobs: Sequence[float], spans: Sequence[common_pb2.VersionSpan], *,
-                 extends: bool = True) -> None:
+                 extends: bool = True, sampling: Distribution | None = None) -> None:
         """Append one turn. `extends=False`: the prompt is a fresh one that does not continue the
-        turns before it (the notebook's state view); all of its tokens are appended (mask 0)."""
+        turns before it (the notebook's state view); all of its tokens are appended (mask 0).
+        `sampling`: the distribution the completion was drawn from (None: not known)."""
         if len(logprobs) != len(completion_ids):
             raise ValueError(f"the policy returned {len(logprobs)} logprobs for {len(completion_ids)} tokens")
         known = len(self.token_ids) if extends else 0
@@ -318,6 +329,8 @@ class Trajectory:
         # VersionSpan indices count completion tokens; shift them to trajectory indices.
         offset = len(self.token_ids)
         self.version_spans += [(offset + s.start, offset + s.end, s.policy_version) for s in spans if s.end > s.start]
+        if sampling is not None and completion_ids:
+            self.sampling_spans.append((offset, offset + len(completion_ids), *sampling))
         self.token_ids += completion_ids
         self.loss_mask += [1] * len(completion_ids)
         self.logprobs += [float(x) for x in logprobs]

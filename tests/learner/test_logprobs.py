@@ -97,3 +97,35 @@ def test_forward_and_backward_hold_little_beyond_the_logits_and_their_gradient()
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["extra_mb"] < 1.6 * measured["logits_mb"], measured
+
+
+@pytest.mark.parametrize("chunk", [1, 4096])
+def test_truncated_values_and_gradients_match_masked_log_softmax(chunk: int) -> None:
+    """Per-position temperature, top-p and top-k: log pi is the log-softmax over the kept tokens
+    (sciproto.sampling_rule) and its gradient autograd's through that masked log-softmax."""
+    from sciproto.sampling_rule import kept_tokens
+
+    generator = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(2, 6, 40, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    targets = logits.detach().argsort(dim=-1, descending=True)[..., 1]  # the second likeliest
+    temperature = torch.tensor([[1.0, 0.7, 0.7, 1.3, 1.0, 0.5]] * 2)
+    top_p = torch.tensor([[1.0, 0.9, 1.0, 0.6, 0.95, 1.0], [0.8] * 6])
+    top_k = torch.tensor([[0, 0, 5, 10, 3, 0], [0, 2, 0, 4, 0, 39]])
+    weights = torch.randn(2, 6, generator=generator, dtype=torch.float64)
+
+    chosen, entropy = token_logprobs(logits, targets, temperature, chunk, top_p=top_p, top_k=top_k)
+    (grad,) = torch.autograd.grad((chosen * weights).sum(), logits)
+
+    z = logits / temperature.double().unsqueeze(-1)
+    keep = kept_tokens(z.detach().float().reshape(-1, 40), top_k.reshape(-1), top_p.reshape(-1)).view(2, 6, 40)
+    dropped = ~keep.gather(-1, targets.unsqueeze(-1))
+    keep = keep.scatter(-1, targets.unsqueeze(-1), True)  # the sampled token counts, even at the set's edge
+    log_p = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    expected = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
+    expected_entropy = -(log_p.exp() * log_p.masked_fill(~keep, 0.0)).sum(-1)
+
+    assert bool((~keep).any()) and bool(dropped.any())  # truncation, and a target the rule alone drops
+    torch.testing.assert_close(chosen, expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)

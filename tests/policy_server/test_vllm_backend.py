@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from learner.grpo import token_logprobs_and_entropy
 from learner.server_config import LearnerServerConfig
 from policy_server.app import build_backend as app_build_backend
 from policy_server.backends import vllm_backend
@@ -73,7 +74,7 @@ def test_missing_vllm_stops_the_nccl_pusher_with_the_extra_named(without_vllm):
     from learner.vllm_sync import build_weight_pusher
 
     config = LearnerServerConfig(push_transport="nccl", policy_targets=["127.0.0.1:1"], device="cuda:0",
-                                 nccl={"master_address": "127.0.0.1", "master_port": 29600, "world_size": 2})
+                                 collective={"master_address": "127.0.0.1", "master_port": 29600, "world_size": 2})
     with pytest.raises(ImportError, match=r"sciproto\[vllm\]"):
         build_weight_pusher(config)
 
@@ -90,7 +91,7 @@ def test_sampling_params_map_to_vllm_keywords():
     sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=50, stop=["\n\n"], seed=11, n=4)
     kwargs = sampling_kwargs(sampling, max_tokens=20)
     assert kwargs == {
-        "n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 20, "stop": ["\n\n"],
+        "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 20, "stop": ["\n\n"],
         "include_stop_str_in_output": False, "seed": 11, "logprobs": 0, "skip_special_tokens": True,
     }
     assert sampling_kwargs(SamplingParams(), 5)["stop"] is None  # vLLM: no stop strings
@@ -258,6 +259,27 @@ async def test_engine_logprobs_are_the_sampled_distribution_after_temperature(en
         for result in results:
             expected = _reference_logprobs(0, PROMPT, result.completion_token_ids, temperature)
             assert result.logprobs == pytest.approx(expected, abs=1e-4), temperature
+
+
+@on_engine
+async def test_engine_logprobs_after_top_k_and_top_p_are_the_learners_log_pi(engine):
+    """The engine's processed logprobs under truncation are what the learner computes for the
+    same tokens and weights (learner/logprobs.py recomputes the kept set by the same rule)."""
+    await _serve_seed(engine, 0)
+    model = load_model("tiny", seed=0).model
+    for temperature, top_p, top_k in ((1.0, 0.9, 0), (1.0, 1.0, 20), (0.8, 0.9, 40)):
+        request = GenerationRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+            n=3, max_tokens=16, seed=1, temperature=temperature, top_p=top_p, top_k=top_k))
+        results, _ = await _run(engine, request)
+        for result in results:
+            ids = torch.tensor([PROMPT + result.completion_token_ids])
+            sampling = torch.tensor([[temperature, top_p, float(top_k)]]).repeat(1, ids.shape[1] - 1, 1)
+            with torch.no_grad():
+                log_pi, _ = token_logprobs_and_entropy(model(input_ids=ids).logits, ids, sampling=sampling)
+            expected = log_pi[0, len(PROMPT) - 1:].tolist()
+            untruncated = _reference_logprobs(0, PROMPT, result.completion_token_ids, temperature)
+            assert result.logprobs == pytest.approx(expected, abs=1e-4), (temperature, top_p, top_k)
+            assert result.logprobs != pytest.approx(untruncated, abs=1e-3)  # truncation shows
 
 
 @on_engine
