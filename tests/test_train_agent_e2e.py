@@ -23,10 +23,12 @@ AGENT = Path(__file__).resolve().parents[1] / "examples" / "openai_agent.py"
 def test_an_external_agent_trains_to_the_demos_target(tmp_path: Path) -> None:
     """The demo as it ships (16 groups of 8 a step, target 0.9 over 3 steps), played by the
     example agent program: 128 runs a step, each a fork of a fork server that imported the openai
-    SDK once (`preload`)."""
+    SDK once (`preload`). The agent samples at its own temperature (the gateway's default, 1.0),
+    not rollout.sampling's 0.7: each call's sampling is recorded and trained under, so the
+    learner's pi_old / mu stays 1 for the weights that sampled (mismatch_engine)."""
     agent = f"rollout.agent={{command: '{sys.executable} {AGENT}', timeout_s: 120, preload: [openai, openai.resources, httpcore]}}"
     done = run_cli(f"run.dir={tmp_path}", "run.name=agent", "progress=false", "budget.max_seconds=1200", agent,
-                   timeout_s=1400)
+                   "rollout.sampling.temperature=0.7", timeout_s=1400)
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = tmp_path / "agent"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -34,6 +36,8 @@ def test_an_external_agent_trains_to_the_demos_target(tmp_path: Path) -> None:
     assert summary["stopped_by"] == "target_reward", (summary["stopped_by"], [m["reward_mean"] for m in metrics])
     assert metrics[0]["reward_mean"] < 0.2 and sum(m["reward_mean"] for m in metrics[-3:]) / 3 >= 0.9
     assert all(m["groups"] == 16 for m in metrics), metrics
+    engine = [m["mismatch_engine"] for m in metrics if m["mismatch_engine"] is not None]
+    assert engine and all(value < 1.01 for value in engine), engine
     # Every group generated is accounted once: settled by the learner or still pending at the end.
     settled = summary["groups_settled"]
     assert sum(settled.values()) + summary["groups_pending"] == summary["groups_generated"] >= 16 * len(metrics)
@@ -46,6 +50,7 @@ def test_an_external_agent_trains_to_the_demos_target(tmp_path: Path) -> None:
         assert group_id.startswith("toy/train/") and len(records) == 8
         for record in records:  # one gateway session each, one call, graded by Verify
             assert record.status == "SCORED" and record.steps == 1 and sum(record.loss_mask) > 0
+            assert [tuple(span[2:]) for span in record.sampling_spans] == [(1.0, 1.0, 0)], record.sampling_spans
             assert record.task["segments"] == "1" and 0.0 <= record.reward <= 1.0
             sessions.add(record.task["session"])
     assert len(sessions) == 8 * len(groups)
