@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +104,14 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         pass
 
+    def do_GET(self) -> None:
+        if self.path.startswith("/__wait"):  # a slow answer: Chromium's virtual time stands still while it is pending
+            time.sleep(0.2)
+            self.send_response(204)
+            self.end_headers()
+            return
+        super().do_GET()
+
 
 @pytest.fixture(scope="module")
 def served(site: Path) -> Iterator[str]:
@@ -160,3 +169,61 @@ def test_the_metrics_page_names_only_metrics_the_learner_writes() -> None:
     written = set(StepMetrics.model_fields) | set(re.findall(r'"([a-z_]+)":', (ROOT / "learner/service.py").read_text()))
     assert len(named) > 30
     assert not named - written, f"named on the metrics page but not written by the learner: {named - written}"
+
+
+# Pages a newcomer reads first, with the pictures each must show (drawn locally: docs/images/).
+NEW_PAGES = {
+    "why/": ("Why sciproto", []),
+    "tutorial/": ("Tutorial: your own environment", []),
+    "guides/python-client/": ("Use the library from Python", []),
+    "reference/api/": ("Library API", []),
+    "faq/": ("FAQ and troubleshooting", []),
+    "glossary/": ("Glossary", []),
+    "changelog/": ("Changelog", []),
+    "": ("sciproto is a gRPC protocol", ["images/architecture.svg"]),
+    "concepts/loop/": ("One round, step by step", ["images/architecture.svg", "images/loop-round.svg"]),
+    "concepts/weight-updates/": ("UpdateWeights: a header, then raw bytes", ["images/weight-updates.svg"]),
+    "guides/several-machines/": ("On a Ray cluster", ["images/several-machines.svg"]),
+    "benchmarks/": ("Where these figures were measured", [
+        "images/bench-env-step.svg", "images/bench-real-model.svg", "images/bench-train.svg",
+        "images/bench-gateway.svg"]),
+}
+
+
+def test_each_new_page_renders_with_its_pictures(site: Path, served: str, tmp_path: Path) -> None:
+    for page, (heading, pictures) in NEW_PAGES.items():
+        dom = rendered(f"{served}/{page}", tmp_path)
+        assert heading in html.unescape(re.sub(r"<[^>]+>", " ", dom)), f"/{page} does not show {heading!r}"
+        shown = set(re.findall(r"<img[^>]*\bsrc=\"(?:\.\./)*([^\"]+)\"", dom))
+        assert set(pictures) <= shown, f"/{page} shows {sorted(shown)}, not all of {pictures}"
+    # Each picture loads and has a size: a page of the site's own that loads them all and says so.
+    pictures = sorted({picture for _, wanted in NEW_PAGES.values() for picture in wanted})
+    (site / "pictures-check.html").write_text(
+        "<html><body><ul id='out'></ul><script>for (const src of " + repr(pictures).replace("'", '"')
+        + ") { const image = new Image(); image.onload = () => { document.getElementById('out').innerHTML += "
+        "`<li>loaded ${src} ${image.naturalWidth}</li>`; }; image.onerror = () => { "
+        "document.getElementById('out').innerHTML += `<li>failed ${src}</li>`; }; image.src = src; }"
+        "</script></body></html>")
+    dom = rendered(f"{served}/pictures-check.html", tmp_path)
+    for picture in pictures:
+        loaded = re.search(rf"loaded {re.escape(picture)} (\d+)", dom)
+        assert loaded is not None and int(loaded.group(1)) > 100, f"{picture} did not load: {dom[-1500:]}"
+
+
+def test_the_site_search_finds_staleness(site: Path, served: str, tmp_path: Path) -> None:
+    """The site's search box, in a browser: the home page opened with ?q=staleness in a frame of a
+    page that copies the results out (fetches of /__wait hold Chromium's virtual time while the
+    theme's search worker builds its index in real time)."""
+    (site / "search-check.html").write_text(
+        "<html><body><pre id='out'>waiting</pre><iframe id='page' src='./?q=staleness'></iframe><script>"
+        "let done = false; (async () => { for (let i = 0; i < 150 && !done; i++) { await fetch('__wait');"
+        "  const doc = document.getElementById('page').contentDocument;"
+        "  const items = doc ? [...doc.querySelectorAll('.md-search-result__item')] : [];"
+        "  document.getElementById('out').textContent = items.map((item) =>"
+        "    `result ${(item.querySelector('a') || {}).pathname} | ${item.textContent.replace(/\\s+/g, ' ').trim().slice(0, 60)}`).join('\\n');"
+        "  done = items.length > 0; } })();"
+        "</script></body></html>")
+    dom = html.unescape(rendered(f"{served}/search-check.html", tmp_path))
+    results = re.findall(r"result (\S+) \| ([^\n<]*)", dom)
+    assert results, f"the search for 'staleness' found nothing: {dom[:1500]}"
+    assert any(path == "/concepts/groups/" for path, _ in results), results
