@@ -1,9 +1,9 @@
 """Weight pushes whose tensors travel over a collective group (`push_transport: gloo | nccl`).
 
 One push: every policy server gets an UpdateWeights call whose stream is only the header
-(version, names, shapes, dtypes; transport NCCL), and while those calls run the learner, rank 0
+(version, names, shapes, dtypes; transport COLLECTIVE), and while those calls run the learner, rank 0
 of the group, broadcasts the tensors in header order; each server receives them
-(`receive_weights_nccl`) and answers its call once they are installed.
+(`receive_weights_collective`) and answers its call once they are installed.
 
 The orchestration is shared; a `Transfer` carries the tensors: `GlooTransfer` here
 (torch.distributed gloo on the CPU, `sciproto.weights.group`, which transformers-backend
@@ -107,7 +107,7 @@ class CollectiveWeightPusher:
         digests = await asyncio.to_thread(tensor_digests, tensors) if self._digests else []
         hashed = time.monotonic() - started
         header = header_for(tensors, version, digests=digests or None)
-        header.transport = policy_pb2.WEIGHT_TRANSPORT_NCCL
+        header.transport = policy_pb2.WEIGHT_TRANSPORT_COLLECTIVE
         self._transfer.prepare()
         calls = [asyncio.ensure_future(self._send_header(stub, header)) for stub in self._stubs]
         transfer = _in_daemon_thread(self._transfer.send, tensors)
@@ -199,7 +199,7 @@ def _in_daemon_thread(function: Callable[..., object], *args: object) -> asyncio
     return future
 
 
-def build_gloo_pusher(targets: Sequence[str], nccl: Mapping[str, object], timeout_s: float,
+def build_gloo_pusher(targets: Sequence[str], rendezvous: Mapping[str, object], timeout_s: float,
                       access: ServerAccess | None = None) -> CollectiveWeightPusher:
-    """The pusher of `push_transport: gloo` (the learner's `nccl:` section is the rendezvous)."""
-    return CollectiveWeightPusher(targets, GlooTransfer(CollectiveRendezvous(**nccl)), timeout_s, access)
+    """The pusher of `push_transport: gloo` (the learner's `collective:` section is the rendezvous)."""
+    return CollectiveWeightPusher(targets, GlooTransfer(CollectiveRendezvous(**rendezvous)), timeout_s, access)

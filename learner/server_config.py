@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,8 +140,13 @@ class LearnerServerConfig(BaseModel):
         description="grpc: UpdateWeights chunks; nccl: vLLM weight transfer (learner.vllm_sync); "
         "gloo: the same over a CPU gloo group (learner.collective_push)",
     )
-    nccl: dict[str, Any] = Field(
-        default_factory=dict, description="Options of the NCCL weight transfer"
+    collective: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Rendezvous of the collective weight transfer (push_transport nccl or gloo): "
+            "master_address, master_port, world_size, timeout_s; read from `nccl:`, its name "
+            "before, with a warning"
+        ),
     )
     run_dir: Path = Field(
         Path("runs/learner"), description="Checkpoints and metrics go here; resumed from"
@@ -175,6 +181,21 @@ class LearnerServerConfig(BaseModel):
     )
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Who may call this learner")
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nccl_is_collective(cls, data: Any) -> Any:
+        """`nccl:` is the deprecated name of `collective:` (it configures gloo transfers too),
+        read for one more release."""
+        if not isinstance(data, dict) or "nccl" not in data:
+            return data
+        if "collective" in data:
+            raise ValueError("both `collective` and `nccl` are set; keep `collective` (`nccl` is its old name)")
+        warnings.warn("the learner's `nccl:` section is now `collective:` (it configures gloo transfers too); "
+                      "rename it: the old name is read until the next release", FutureWarning, stacklevel=2)
+        data = dict(data)
+        data["collective"] = data.pop("nccl")
+        return data
 
     @model_validator(mode="after")
     def _buffer_holds_a_batch(self) -> LearnerServerConfig:

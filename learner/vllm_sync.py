@@ -3,12 +3,12 @@
 The push protocol is `learner.collective_push` (header-only UpdateWeights calls to every server
 while the learner broadcasts the tensors in header order, stopping at the first failure, every
 wait bounded by `push_timeout_s`); this module supplies its NCCL transfer, whose peers are the
-vLLM workers that join on their first NCCL header (`VllmBackend.receive_weights_nccl`).
+vLLM workers that join on their first collective header (`VllmBackend.receive_weights_collective`).
 
 The NCCL group is vLLM's stateless process group (a TCP store hosted here as rank 0, then a
 PyNccl communicator), opened by the first push while the servers join it, as vLLM's RLHF
 weight-transfer examples do. Its rendezvous settings are the `NcclRendezvous` model the servers
-read too (the learner's `nccl:` section; rank_offset only matters to servers). NCCL collectives
+read too (the learner's `collective:` section; rank_offset only matters to servers). NCCL collectives
 have no timeout of their own: the push stops waiting after `push_timeout_s` and the broadcast
 runs in a daemon thread. A group in which a push failed is never used again (vLLM cannot re-form
 it under running workers), so later pushes fail at once, naming the first failure: restart the
@@ -95,5 +95,5 @@ class NcclWeightPusher(CollectiveWeightPusher):
 def build_weight_pusher(config: LearnerServerConfig) -> NcclWeightPusher:
     """The hook `learner.weight_push.build_weight_pusher` calls for `push_transport: nccl`."""
     import_vllm()  # say which extra is missing before anything connects
-    return NcclWeightPusher(config.policy_targets, NcclRendezvous(**config.nccl), config.device,
+    return NcclWeightPusher(config.policy_targets, NcclRendezvous(**config.collective), config.device,
                             config.push_timeout_s, config.policy_access)

@@ -100,7 +100,7 @@ def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
     if config.push_transport == "gloo":
         from learner.collective_push import build_gloo_pusher
 
-        return build_gloo_pusher(config.policy_targets, config.nccl, config.push_timeout_s, config.policy_access)
+        return build_gloo_pusher(config.policy_targets, config.collective, config.push_timeout_s, config.policy_access)
     try:
         module = importlib.import_module("learner.vllm_sync")
     except ImportError as error:

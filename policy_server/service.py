@@ -13,9 +13,11 @@ request's trace_context names (see `sciproto.tracing.span_for_request`).
 UpdateWeights: one update at a time; a second one that arrives while another is being received
 or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry
 hint) rather than queued, so a sender learns immediately that two writers target this server.
-A header with transport NCCL carries no data chunks: the tensors come over the learner's
-collective group and the backend's `receive_weights_nccl` takes them (vLLM: NCCL; transformers:
-the gloo group of `sciproto.weights.group`).
+A header with transport COLLECTIVE carries no data chunks: the tensors come over the learner's
+collective group and the backend's `receive_weights_collective` takes them (vLLM: NCCL on a GPU,
+gloo on the CPU; transformers: the gloo group of `sciproto.weights.group`). A backend of its own
+may still name it `receive_weights_nccl` and its capability `weight_updates_nccl`, the names
+before protocol 1.3, for a release.
 
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
@@ -68,7 +70,8 @@ WEIGHTS_BYTES = "sciproto.weights.bytes"  # span attribute: bytes of tensor data
 
 CAPABILITIES = ["generate.chat", "generate.tokens", "generate.multi_turn_token_ids", "generate.n_samples"]
 WEIGHTS_CAPABILITY = "weights.grpc_chunks"
-NCCL_CAPABILITY = "weight_updates_nccl"  # a backend capability: takes NCCL-transport headers
+COLLECTIVE_CAPABILITY = "weight_updates_collective"  # a backend capability: takes collective-transport headers
+NCCL_CAPABILITY = "weight_updates_nccl"  # its name before protocol 1.3 (deprecated), reported beside it for a release
 
 
 class PolicyServicer(policy_grpc.PolicyServiceServicer):
@@ -185,7 +188,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         """Receive the data chunks of an update whose header came first, and apply it."""
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
         digest = check_provenance(header, self._backend.info().model)
-        if header.transport == policy_pb2.WEIGHT_TRANSPORT_NCCL:
+        if header.transport == policy_pb2.WEIGHT_TRANSPORT_COLLECTIVE:
             return await self._apply_collective_update(header, specs, digest, request_iterator)
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
@@ -214,17 +217,18 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
     async def _apply_collective_update(self, header: policy_pb2.WeightsHeader, specs: list, digest: DigestCheck,
                                        request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
                                        ) -> policy_pb2.UpdateWeightsResponse:
-        """An NCCL-transport header: the tensors come over the collective group; the backend
+        """A collective-transport header: the tensors come over the collective group; the backend
         checks them against the header's digests where their bytes reach its CPU (gloo), and
         says whether it did."""
         info = self._backend.info()
-        receive = getattr(self._backend, "receive_weights_nccl", None)
-        if receive is None or NCCL_CAPABILITY not in info.capabilities:
+        receive = (getattr(self._backend, "receive_weights_collective", None)
+                   or getattr(self._backend, "receive_weights_nccl", None))  # the name before 1.3
+        if receive is None or not {COLLECTIVE_CAPABILITY, NCCL_CAPABILITY} & set(info.capabilities):
             raise Unimplemented(f"this {info.backend} server takes no collective weight transfer (configure "
                                 "weights.collective); send transport "
                                 "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
         if await self._next_message(request_iterator) is not None:
-            raise InvalidArgument("an UpdateWeights stream with transport NCCL carries only the header",
+            raise InvalidArgument("an UpdateWeights stream with transport COLLECTIVE carries only the header",
                                   Reason.INVALID_REQUEST)
         running_before = set(self._active)
         start = time.perf_counter()

@@ -23,6 +23,10 @@ CAPABILITIES = [
     "version_spans",
 ]
 
+# A backend that takes collective-transport weight updates (WEIGHT_TRANSPORT_COLLECTIVE) reports
+# these: the capability's name, then its name before protocol 1.3, kept for a release.
+COLLECTIVE_CAPABILITIES = ["weight_updates_collective", "weight_updates_nccl"]
+
 
 @runtime_checkable
 class PolicyBackend(Protocol):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
+from policy_server.backends.base import COLLECTIVE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
 from policy_server.prompts import prompt_token_ids
@@ -141,7 +142,7 @@ class TransformersBackend:
         self._engine_lock = threading.Lock()  # held while the model runs or weights change
         self._thread: threading.Thread | None = None
         self._closed = False
-        # the learner's gloo weight-transfer group, when this server takes NCCL-transport headers
+        # the learner's gloo weight-transfer group, when this server takes collective-transport headers
         self._weight_group = None if collective is None else WeightGroup(collective, collective.rank_offset)
 
     # -- PolicyBackend -------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class TransformersBackend:
             quantization="",
             max_context=self._loaded.max_context,
             policy_version=self._version,
-            capabilities=list(BASE_CAPABILITIES) + (["weight_updates_nccl"] if self._weight_group else []),
+            capabilities=list(BASE_CAPABILITIES) + (COLLECTIVE_CAPABILITIES if self._weight_group else []),
             supports_weight_updates=True,
         )
 
@@ -218,7 +219,7 @@ class TransformersBackend:
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise
 
-    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec],
+    async def receive_weights_collective(self, version: int, specs: list[TensorSpec],
                                    digests: Sequence[tuple[str, bytes]] = ()) -> bool:
         """Take an update whose tensors the learner broadcasts over the gloo weight-transfer group
         (`sciproto.weights.group`), in the order of `specs` (the header, already checked

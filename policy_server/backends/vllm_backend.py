@@ -16,7 +16,7 @@ on the new weights, and the backend itself records which version sampled which t
 - `update_weights(version, tensors)`: tensors that came as gRPC chunks are loaded into the model
   through a worker extension (`CheckpointTensorLoader`) inside that same update session, as raw
   bytes in calls of at most `RPC_CHUNK_BYTES`;
-- `receive_weights_nccl(version, specs)`: the tensors come over the learner's collective group
+- `receive_weights_collective(version, specs)`: the tensors come over the learner's collective group
   (the server's `weights.collective` rendezvous): vLLM's NCCL engine on a GPU
   (`learner.vllm_sync`), the gloo engine of `policy_server.backends.vllm_gloo` on the CPU
   (`push_transport: gloo`, the same group the transformers backend joins). The first call joins.
@@ -46,6 +46,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
+from policy_server.backends.base import COLLECTIVE_CAPABILITIES
 from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
@@ -66,7 +67,7 @@ from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.vllm import import_vllm
 from sciproto.weights.wire import DigestMismatch
 
-CAPABILITIES = [*BASE_CAPABILITIES, "weight_updates_nccl"]
+CAPABILITIES = [*BASE_CAPABILITIES, *COLLECTIVE_CAPABILITIES]
 
 # The CPU's transfer engine (policy_server.backends.vllm_gloo), registered under this name.
 GLOO_TRANSFER_BACKEND = "sciproto_gloo"
@@ -391,7 +392,7 @@ class VllmBackend:
         async with self._update_lock:
             await self._swap_locked(version, load)
 
-    async def receive_weights_nccl(self, version: int, specs: list[TensorSpec],
+    async def receive_weights_collective(self, version: int, specs: list[TensorSpec],
                                    digests: Sequence[tuple[str, bytes]] = ()) -> bool:
         """Install tensors the learner broadcasts over its collective group (NCCL on a GPU, gloo
         on the CPU), in the order of `specs` (the UpdateWeights header); returns when every worker
@@ -403,7 +404,7 @@ class VllmBackend:
         rendezvous = self._collective
         if rendezvous is None:
             raise ValueError("this server has no weights.collective rendezvous configured; send the weights as "
-                             "gRPC chunks or configure weights.collective to match the learner's nccl settings")
+                             "gRPC chunks or configure weights.collective to match the learner's collective settings")
         validate_weight_update(self._manifest, _meta_tensors(specs))
         update_info = {
             "names": [spec.name for spec in specs],

@@ -92,10 +92,22 @@ async def test_push_transport_gloo_builds_the_collective_pusher():
     from learner.weight_push import build_weight_pusher
 
     config = LearnerServerConfig(push_transport="gloo", policy_targets=["127.0.0.1:1"],
-                                 nccl={"master_address": "127.0.0.1", "master_port": _free_port(), "world_size": 2})
+                                 collective={"master_address": "127.0.0.1", "master_port": _free_port(),
+                                             "world_size": 2})
     pusher = build_weight_pusher(config)
     assert isinstance(pusher, CollectiveWeightPusher) and pusher.targets == ["127.0.0.1:1"]
     await pusher.aclose()
+
+
+def test_the_learner_reads_its_old_nccl_section_as_collective_with_a_warning():
+    from learner.server_config import LearnerServerConfig
+
+    rendezvous = {"master_address": "127.0.0.1", "master_port": 29600, "world_size": 2}
+    with pytest.warns(FutureWarning, match="now `collective:`"):
+        config = LearnerServerConfig.model_validate({"push_transport": "gloo", "nccl": rendezvous})
+    assert config.collective == rendezvous
+    with pytest.raises(ValueError, match="keep `collective`"):
+        LearnerServerConfig.model_validate({"nccl": rendezvous, "collective": rendezvous})
 
 
 @pytest.mark.slow

@@ -196,9 +196,11 @@ async def test_the_server_is_not_serving_while_the_weights_are_unavailable(engin
         await running.stop()
 
 
-async def test_an_nccl_header_reaches_receive_weights_nccl(engine):
+async def test_a_collective_header_reaches_receive_weights_collective(engine):
     """Through the gRPC service: the header-only stream joins vLLM's group once, then each update
-    asks every worker for the header's tensors, in header order, with a timeout on each call."""
+    asks every worker for the header's tensors, in header order, with a timeout on each call. The
+    header names its transport by the deprecated WEIGHT_TRANSPORT_NCCL, the same value as
+    WEIGHT_TRANSPORT_COLLECTIVE: a sender of protocol 1.2 is still understood."""
     rpcs: list[tuple[str, float | None, dict | None]] = []
 
     async def collective_rpc(method, timeout=None, args=(), kwargs=None):
