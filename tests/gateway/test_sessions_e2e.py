@@ -58,9 +58,12 @@ def test_a_multi_turn_session_is_one_token_faithful_sequence(gateway: ServerProc
         assert len(after["prompt_token_ids"]) > len(sequence)  # the new user message's tokens follow
 
     # The agent drops its history: a new segment, and the call says why.
-    client.chat.completions.create(model=model, messages=[messages[0], messages[-1]], max_tokens=4, seed=9)
+    # It also picks its own sampling: recorded with the call, and with its tokens in the record.
+    client.chat.completions.create(model=model, messages=[messages[0], messages[-1]], max_tokens=4, seed=9,
+                                   temperature=0.5, top_p=0.8, extra_body={"top_k": 7})
     last = httpx.get(f"{base}/sessions/count-1", timeout=30).json()["calls"][-1]
     assert (last["segment"], last["extends"]) == (1, False)
+    assert last["sampling"] == {"temperature": 0.5, "top_p": 0.8, "top_k": 7}
     assert "do not start with the previous call's messages" in last["new_segment_reason"]
 
     closed = httpx.post(f"{base}/sessions/count-1/close", json={"group": "count/train/7", "reward": 0.5},
@@ -78,6 +81,12 @@ def test_a_multi_turn_session_is_one_token_faithful_sequence(gateway: ServerProc
         [lp for s in sampled for lp in s["logprobs"]])
     assert first.reward == 0.5 and first.status == "SCORED" and first.group_id == "count/train/7"
     assert first.version_spans and first.turn_finish_reasons == [s["finish_reason"] for s in sampled]
+    # every turn's tokens with the sampling that drew them: the gateway's defaults, then the agent's own
+    turns = [(start, end) for start, end, *_ in first.version_spans]
+    assert first.sampling_spans == [(start, end, 1.0, 1.0, 0) for start, end in turns]
+    last_tokens = len(last["choices"][0]["completion_token_ids"])
+    assert [tuple(span) for span in records[1].sampling_spans] == [
+        (len(records[1].token_ids) - last_tokens, len(records[1].token_ids), 0.5, 0.8, 7)]
     assert [m.role for m in first.messages] == ["system", "user", "assistant", "user", "assistant", "user",
                                                 "assistant"]
     taken = httpx.post(f"{base}/groups/count%2Ftrain%2F7/take", timeout=30).json()
