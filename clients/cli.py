@@ -42,6 +42,8 @@ ConfigOption = Annotated[str | None, typer.Option("--config", "-c", help="YAML f
 SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: key.path=value (repeatable)")]
 HostOption = Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1)")]
 AuthOption = Annotated[Path | None, typer.Option("--auth", help="YAML file mapping roles to token sources")]
+# One name, no --no-verbose: a second name column squeezes the option names in an 80-column help.
+VerboseOption = Annotated[bool, typer.Option("--verbose", help="Log at debug level")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -96,7 +98,7 @@ def serve_env(
     workers: Annotated[int, typer.Option(min=1, help="Server processes, one port each from --port on"
                                                     " (0: each a free one); spread episodes over them"
                                                     " with a replica pool")] = 1,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve Aviary environments over EnvironmentService."""
     _setup_logging(verbose)
@@ -122,7 +124,7 @@ def serve_policy(
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['policy']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve a policy model over PolicyService."""
     _setup_logging(verbose)
@@ -141,7 +143,7 @@ def serve_learner(
     port: Annotated[int | None, typer.Option(help=f"Port (default {DEFAULT_PORTS['learner']}; 0 = any free)")] = None,
     auth: AuthOption = None,
     set_: SetOption = None,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve the GRPO learner over LearnerService."""
     _setup_logging(verbose)
@@ -164,7 +166,9 @@ def serve_gateway(
     max_session_tokens: Annotated[int, typer.Option(min=1, help="Recorded tokens of one session at most")] = 1 << 20,
     max_held_records: Annotated[int, typer.Option(min=1, help="Closed sessions' records held until taken; past it "
                                                   "the oldest go to --rollouts only, or closes wait without it")] = 4096,
-    verbose: bool = False,
+    max_request_bytes: Annotated[int, typer.Option(min=1, help="Largest request body, in bytes; a larger one is "
+                                                   "refused (413) before it is read")] = 4 * 1024 * 1024,
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve an OpenAI-compatible HTTP API over the policy servers, recording sessions for training."""
     _setup_logging(verbose)
@@ -173,7 +177,8 @@ def serve_gateway(
     main_with(
         policies=policy, host=host or "127.0.0.1", port=port, model_names=model_name or [], auth_file=auth,
         policy_token_file=policy_token_file, rollouts_file=rollouts, max_sessions=max_sessions,
-        idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens, max_held_records=max_held_records)
+        idle_ttl_s=session_ttl, max_session_tokens=max_session_tokens, max_held_records=max_held_records,
+        max_request_bytes=max_request_bytes)
 
 
 @app.command("agent-collect")
@@ -319,7 +324,7 @@ def collect(
         help="full (token ids, masks, logprobs: what training needs) or summary (without them, far smaller)")] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Run the agent loop over a task split and write one JSON line per rollout."""
     _setup_logging(verbose)
@@ -342,7 +347,7 @@ def demonstrate(
     min_reward: Annotated[float, typer.Option(help="Keep episodes the environment scores at least this")] = 1.0,
     max_tokens: Annotated[int | None, typer.Option(help="Drop demonstrations longer than this many tokens")] = None,
     concurrency: Annotated[int, typer.Option(help="Episodes in flight at once")] = 8,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Play each task's reference solution through the env server and keep the episodes it scores
     at the top, as rollouts with the model's own tokens (training demonstrations for an sft phase)."""
@@ -376,7 +381,7 @@ def eval_(
     max_pass_rate: Annotated[float, typer.Option(help="... and below this")] = 1.0,
     config: ConfigOption = None,
     set_: SetOption = None,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
     debug: Annotated[bool, typer.Option(help="Show the traceback of an error")] = False,
 ) -> None:
     """Pass rates of a policy (server or checkpoint) on a split; reward analysis and curriculum."""
@@ -406,7 +411,7 @@ def train(
         "needs the sciproto[ray] extra)")] = None,
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", help="Ray cluster to join with --cluster ray (default: RAY_ADDRESS, else a local Ray)")] = None,
-    verbose: bool = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Train end to end: start env, policy and learner servers and the rollout client."""
     _setup_logging(verbose)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.limits import DEFAULT_MAX_REQUEST_BYTES
 from gateway.service import Gateway
 from gateway.sessions import SessionLimits, SessionStore
 from sciproto.auth import AuthConfig, Authenticator
@@ -38,6 +39,7 @@ class GatewaySettings:
     policy_token_file: Path | None = None  # the gateway's own token for the policy servers
     rollouts_file: Path | None = None
     connect_timeout_s: float = 60.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 async def connect(settings: GatewaySettings, authenticator: Authenticator | None = None) -> Gateway:
@@ -63,7 +65,7 @@ async def connect(settings: GatewaySettings, authenticator: Authenticator | None
     names = [models[0], *(name for name in settings.model_names if name != models[0])]
     limits = SessionStore(settings.limits)
     return Gateway(clients, names, min(d.max_context_tokens for d in described), limits, authenticator,
-                   settings.rollouts_file)
+                   settings.rollouts_file, max_request_bytes=settings.max_request_bytes)
 
 
 async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -4,7 +4,11 @@ and training reads), and groups of them by label.
 A session of one segment is one record: its calls' tokens in order, prompt tokens masked out,
 sampled tokens with their logprobs and version spans. A session of several segments (its agent
 rewrote its context) gives one record per segment, each a sequence of its own with the session's
-reward: never one sequence glued from prompts that did not extend each other.
+reward: never one sequence glued from prompts that did not extend each other. The segments are
+still one episode, one sample of the group: they share the sample number and `episode` (the
+sample's rollout id), so the learner counts the session's reward once in its group's statistics and trains
+each segment's tokens with that sample's advantage. Segment 0 has the rollout id of the sample,
+segment k > 0 that id + "/segment{k}".
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ def task_for_label(label: str) -> TaskKey:
 
 
 def session_records(session: Session, outcome: Outcome, first_sample: int) -> list[RolloutRecord]:
-    """The records of a closed session, numbered from `first_sample` in its group."""
+    """The records of a closed session, sample `first_sample` of its group."""
     task = task_for_label(outcome.group)
     segments: dict[int, list[CallRecord]] = {}
     for call in session.calls:
         segments.setdefault(call.segment, []).append(call)
     records = []
-    for offset, calls in enumerate(segments.values()):
+    several = len(segments) > 1
+    for calls in segments.values():
         trajectory = Trajectory()
         for call in calls:
             sample = call.choices[call.chosen].sample
@@ -67,10 +72,11 @@ def session_records(session: Session, outcome: Outcome, first_sample: int) -> li
         messages.append(MessageRecord(role="assistant", content=reply.content, tool_calls=[
             {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
             for c in reply.tool_calls]))
-        sample_number = first_sample + offset
+        segment = calls[0].segment
+        rollout_id = task.rollout_id(first_sample) + (f"/segment{segment}" if segment else "")
         records.append(RolloutRecord(
-            rollout_id=task.rollout_id(sample_number), group_id=task.group_id, env=task.env, split=task.split,
-            index=task.index, sample=sample_number,
+            rollout_id=rollout_id, group_id=task.group_id, env=task.env, split=task.split,
+            index=task.index, sample=first_sample, episode=task.rollout_id(first_sample) if several else "",
             task={**(outcome.task or {}), "session": session.id, "segment": str(calls[0].segment),
                   "segments": str(session.segments)},
             status=outcome.status, reward=outcome.reward if outcome.status is RolloutStatus.SCORED else 0.0,

@@ -4,6 +4,7 @@ group routes that turn recorded calls into rollout records.
     POST /v1/chat/completions            a call outside any session (not recorded)
     POST /s/{session}/v1/chat/completions  the same, recorded in `session` (opened by its first call)
     POST /v1/responses, /s/{session}/v1/responses  the Responses API's subset (gateway.responses)
+    POST /v1/messages, /s/{session}/v1/messages    Anthropic's Messages API (gateway.messages)
     GET  /v1/models, /s/{session}/v1/models
     GET  /sessions/{session}             the session's calls: token ids, logprobs, versions, segments
     POST /sessions/{session}/close       {"group": label, "reward": float}: its records join the group
@@ -16,8 +17,8 @@ A session may also be named by the `X-Sciproto-Session` header on the plain /v1 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +35,14 @@ from gateway.chat import (
     parse_chat_request,
 )
 from gateway.errors import ApiError, from_sciproto
+from gateway.limits import DEFAULT_MAX_REQUEST_BYTES, read_json
+from gateway.messages import (
+    anthropic_error,
+    message_object,
+    new_message_id,
+    parse_messages_request,
+    stream_message,
+)
 from gateway.records import Outcome, failed_record, session_records, task_for_label
 from gateway.responses import as_responses_error, parse_responses_request, response_object
 from gateway.sessions import Plan, Session, SessionStore
@@ -48,6 +57,15 @@ __all__ = ["SESSION_HEADER", "Gateway"]
 
 log = logging.getLogger("gateway")
 SESSION_HEADER = "X-Sciproto-Session"
+# The authenticator's words are for gRPC callers (metadata, ChannelConfig); an HTTP caller is told
+# what to send in its own terms.
+_HTTP_AUTH_MESSAGES = {
+    "missing_token": "this gateway requires an API key: send the header `Authorization: Bearer <token>` (the "
+                     "openai SDK's `api_key`, the anthropic SDK's `auth_token`) with a token the gateway's auth "
+                     "file lists",
+    "unknown_token": "the API key (the bearer token in `Authorization`) is not one this gateway accepts: check "
+                     "which token the gateway's auth file lists for you",
+}
 
 
 class Gateway:
@@ -56,7 +74,8 @@ class Gateway:
 
     def __init__(self, policies: list[PolicyClient], model_names: list[str], max_context_tokens: int,
                  store: SessionStore, authenticator: Authenticator | None = None,
-                 rollouts_file: Path | None = None, generate_timeout_s: float = 600.0) -> None:
+                 rollouts_file: Path | None = None, generate_timeout_s: float = 600.0,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         if not policies:
             raise ValueError("the gateway needs at least one policy server")
         self.policies = policies
@@ -66,6 +85,7 @@ class Gateway:
         self.authenticator = authenticator
         self.rollouts_file = rollouts_file
         self.generate_timeout_s = generate_timeout_s
+        self.max_request_bytes = max_request_bytes
         # Closed records until taken, at most store.limits.max_held_records of them: past it, a
         # gateway with a rollouts file releases the oldest from memory (they are in the file) and
         # counts them per group; one without refuses closes until groups are taken.
@@ -77,15 +97,16 @@ class Gateway:
         self._turns = itertools.count()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.max_request_bytes)
         app.add_routes([
             web.get("/health", self._health),
             web.get("/v1/models", self._models), web.get("/s/{session}/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat), web.post("/s/{session}/v1/chat/completions", self._chat),
             web.post("/v1/responses", self._responses), web.post("/s/{session}/v1/responses", self._responses),
+            web.post("/v1/messages", self._messages), web.post("/s/{session}/v1/messages", self._messages),
             web.get("/sessions/{session}", self._session),
             web.post("/sessions/{session}/close", self._close),
-            web.post("/groups/{label}/take", self._take),
+            web.post("/groups/{label:.+}/take", self._take),  # a label has slashes: "gsm8k/train/3"
         ])
         return app
 
@@ -113,6 +134,8 @@ class Gateway:
         if self.authenticator is None:
             return ""
         header = request.headers.get("Authorization")
+        if header is None and request.headers.get("x-api-key"):  # the anthropic SDK's api_key
+            header = f"Bearer {request.headers['x-api-key']}"
         try:
             principal = self.authenticator.identify([("authorization", header)] if header else [])
             if not principal.has_role(role):
@@ -125,15 +148,12 @@ class Gateway:
             if error.code.name == "RESOURCE_EXHAUSTED":
                 raise ApiError(429, error.message, type_="rate_limit_error", code="rate_limited",
                                retry_after_s=error.retry_after_s or 1.0) from None
-            raise ApiError(401, error.message, type_="authentication_error", code="invalid_api_key") from None
+            raise ApiError(401, _HTTP_AUTH_MESSAGES.get(error.metadata.get("cause", ""), error.message),
+                           type_="authentication_error", code="invalid_api_key") from None
         return principal.name
 
-    @staticmethod
-    async def _json(request: web.Request) -> Any:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the body is not JSON: {error}", param="body") from None
+    async def _json(self, request: web.Request) -> Any:
+        return await read_json(request, self.max_request_bytes)
 
     @staticmethod
     def _session_id(request: web.Request) -> str | None:
@@ -170,6 +190,15 @@ class Gateway:
         except SciprotoError as error:  # a policy server's refusal, in the Responses API's names
             raise as_responses_error(from_sciproto(error)) from None
 
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API: its errors in its own shape."""
+        try:
+            return await self._call(request, parse_messages_request, self._message)
+        except ApiError as error:
+            return anthropic_error(error)
+        except SciprotoError as error:
+            return anthropic_error(from_sciproto(error))
+
     async def _call(self, request: web.Request, parse: Callable[[Any, int], ChatCall],
                     answer: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         principal = self._principal(request, AuthRole.AGENT)
@@ -183,17 +212,27 @@ class Gateway:
         session = self.store.open(session_id, principal)
         async with session.lock:
             self.store.check_size(session)
-            return await answer(request, call, session, session.plan(call), self._policy(session_id))
+            try:
+                return await answer(request, call, session, session.plan(call), self._policy(session_id))
+            finally:
+                self.store.touch(session)  # idle from the call's end: a call longer than the TTL keeps it
 
-    async def _start(self, call: ChatCall, plan: Plan, policy: PolicyClient
+    async def _start(self, call: ChatCall, plan: Plan, policy: PolicyClient, session: Session | None
                      ) -> tuple[AsyncIterator[policy_pb2.GenerateResponse], policy_pb2.GeneratePrompt, str]:
         """Open the Generate stream and read its prompt event. When the server cannot extend the
         previous tokens (a chat template that does not render the history as a prefix), the call
-        starts a new segment instead and says why."""
+        starts a new segment instead and says why.
+
+        In a session the call's completions are capped to what its token limit has left: the
+        first try asks for what is left after the previous tokens; when the prompt turns out
+        longer, the stream is dropped at its prompt event (before any token is kept) and sent
+        again with the exact room, so no call takes a session past --max-session-tokens."""
         reason = plan.reason
         previous = plan.previous_token_ids
+        budget = self.store.limits.max_tokens - session.tokens if session is not None else None
+        sent = call if budget is None else self._capped(call, session, budget - len(previous), previous)
         while True:
-            events = policy.generate(call.generate_request(previous, f"gw-{uuid.uuid4().hex[:16]}"),
+            events = policy.generate(sent.generate_request(previous, f"gw-{uuid.uuid4().hex[:16]}"),
                                      self.generate_timeout_s)
             try:
                 first = await anext(events)
@@ -209,11 +248,31 @@ class Gateway:
             if first.WhichOneof("event") != "prompt":
                 await events.aclose()
                 raise ApiError(502, "the policy server's Generate did not start with its prompt", type_="server_error")
+            if budget is not None and session is not None:
+                room = budget - len(first.prompt.token_ids)
+                most = self.max_context_tokens - len(first.prompt.token_ids)  # a completion's most tokens
+                if room < sent.n * min(sent.max_tokens or most, most):
+                    await events.aclose()
+                    sent = self._capped(call, session, room, first.prompt.token_ids)
+                    continue
             return events, first.prompt, reason
+
+    def _capped(self, call: ChatCall, session: Session, room: int, prompt: Any) -> ChatCall:
+        """`call` with its completions fitted into `room` tokens of the session's limit, or the
+        refusal when not one token per sample fits."""
+        per_sample = room // call.n
+        if per_sample < 1:
+            raise ApiError(400, f"session {session.id!r} has recorded {session.tokens} tokens and this call's prompt "
+                           f"has at least {len(prompt)}, which leaves no room under the session's limit of "
+                           f"{self.store.limits.max_tokens} tokens (--max-session-tokens); close it and start "
+                           "another", param="session", code="session_too_large")
+        if (call.max_tokens or self.max_context_tokens) <= per_sample:
+            return call  # its completions fit whatever the prompt: the context bounds them too
+        return dataclasses.replace(call, max_tokens=min(call.max_tokens or per_sample, per_sample))
 
     async def _complete(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
                         policy: PolicyClient) -> web.StreamResponse:
-        events, prompt, reason = await self._start(call, plan, policy)
+        events, prompt, reason = await self._start(call, plan, policy, session)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = now()
         with_tools = bool(call.tools)
@@ -237,7 +296,7 @@ class Gateway:
     async def _respond(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
                        policy: PolicyClient) -> web.StreamResponse:
         """A Responses API answer: one sample, as output items; streamed as its typed events."""
-        events, prompt, reason = await self._start(call, plan, policy)
+        events, prompt, reason = await self._start(call, plan, policy, session)
         response_id, created, with_tools = f"resp_{uuid.uuid4().hex}", now(), bool(call.tools)
         try:
             if call.stream:
@@ -259,6 +318,32 @@ class Gateway:
         if choice is None:
             raise ApiError(502, "the policy server ended Generate without its sample", type_="server_error")
         return web.json_response(response_object(response_id, call.model, created, choice, len(prompt.token_ids)))
+
+    async def _message(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
+                       policy: PolicyClient) -> web.StreamResponse:
+        """A Messages API answer: one sample, as content blocks; streamed as its events."""
+        events, prompt, reason = await self._start(call, plan, policy, session)
+        message_id, with_tools = new_message_id(), bool(call.tools)
+        response: web.StreamResponse | None = None
+        sample = None
+        try:
+            if call.stream:
+                response, sample = await stream_message(request, call, events, message_id, len(prompt.token_ids),
+                                                        with_tools)
+            else:
+                async for event in events:
+                    if event.WhichOneof("event") == "sample":
+                        sample = event.sample
+        finally:
+            await events.aclose()
+        choice = Choice(0, sample, with_tools) if sample is not None else None
+        if session is not None and choice is not None:
+            session.record(call, plan, reason, list(prompt.token_ids), prompt.policy_version, [choice])
+        if response is not None:
+            return response
+        if choice is None:
+            raise ApiError(502, "the policy server ended Generate without its sample", type_="server_error")
+        return web.json_response(message_object(message_id, call.model, choice, len(prompt.token_ids)))
 
     async def _session(self, request: web.Request) -> web.Response:
         principal = self._principal(request, AuthRole.AGENT)
@@ -296,7 +381,7 @@ class Gateway:
     def _add(self, outcome: Outcome, build: Callable[[int], list[RolloutRecord]]) -> list[RolloutRecord]:
         first = self._next_sample.get(outcome.group, 0)
         records = build(first)
-        self._next_sample[outcome.group] = first + len(records)
+        self._next_sample[outcome.group] = first + 1  # a session is one sample, whatever its segments
         if self.rollouts_file is not None:
             with self.rollouts_file.open("a", encoding="utf-8") as file:
                 file.writelines(record.to_json_line() for record in records)

@@ -169,10 +169,16 @@ class SessionStore:
         self.sessions.move_to_end(session_id)
         return session
 
+    def touch(self, session: Session) -> None:
+        """`session` was used now (the end of a call: the idle TTL counts from there)."""
+        session.last_used = time.monotonic()
+        if self.sessions.get(session.id) is session:
+            self.sessions.move_to_end(session.id)
+
     def check_size(self, session: Session) -> None:
         if session.tokens >= self.limits.max_tokens:
             raise ApiError(400, f"session {session.id!r} has recorded {session.tokens} tokens, its limit of "
-                           f"{self.limits.max_tokens}; close it and start another", param="session",
+                           f"{self.limits.max_tokens} (--max-session-tokens); close it and start another", param="session",
                            code="session_too_large")
 
     def get(self, session_id: str, principal: str) -> Session:

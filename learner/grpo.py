@@ -96,8 +96,23 @@ def scored_samples(group: RolloutGroup) -> list[TrainSample]:
     return [s for s in group.samples if s.reward_status is RewardStatus.SCORED]
 
 
+def episodes(samples: Sequence[TrainSample]) -> tuple[list[int], list[float]]:
+    """Each sample's episode (numbered in order of first appearance) and each episode's reward.
+    Samples with the same non-empty `episode` are the segments of one episode (an agent that
+    rewrote its history): one sample of the group's statistics, its reward counted once."""
+    numbers: dict[str, int] = {}
+    of: list[int] = []
+    rewards: list[float] = []
+    for i, sample in enumerate(samples):
+        number = numbers.setdefault(sample.episode or f"\0{i}", len(numbers))
+        if number == len(rewards):
+            rewards.append(sample.reward)
+        of.append(number)
+    return of, rewards
+
+
 def group_has_signal(group: RolloutGroup) -> bool:
-    rewards = [s.reward for s in scored_samples(group)]
+    _, rewards = episodes(scored_samples(group))
     return group_advantages(rewards, adv_eps=1.0) is not None
 
 
@@ -162,7 +177,8 @@ def _to_sequence(sample: TrainSample, advantage: float, group: int, temperature:
 
 
 def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPlan:
-    """Advantages per group over its SCORED samples; groups without signal are counted and skipped.
+    """Advantages per group over its SCORED samples (an episode's segments are one sample, see
+    `episodes`); groups without signal are counted and skipped.
 
     With `mask_truncated`, a sample cut by its token limit keeps its place in the group's
     statistics (A_i of the others is unchanged) but contributes no token to the loss or to N.
@@ -176,15 +192,17 @@ def prepare_batch(groups: Sequence[RolloutGroup], config: GRPOConfig) -> BatchPl
         infra += sum(s.reward_status is RewardStatus.INFRA_ERROR for s in group.samples)
         unscored += sum(s.reward_status is RewardStatus.UNSCORED for s in group.samples)
         samples = scored_samples(group)
-        rewards.extend(s.reward for s in samples)
+        episode_of, episode_rewards = episodes(samples)
+        rewards.extend(episode_rewards)
         length_cut += sum(s.cut_by_length for s in samples)
         turn_prompts.extend(length for s in samples for length in turn_prompt_lengths(s))
-        advantages = group_advantages([s.reward for s in samples], config.adv_eps)
-        all_advantages.extend(advantages or [0.0] * len(samples))
+        advantages = group_advantages(episode_rewards, config.adv_eps)
+        all_advantages.extend(advantages or [0.0] * len(episode_rewards))
         if advantages is None:
             skipped += 1
             continue
-        for sample, advantage in zip(samples, advantages):
+        for sample, episode in zip(samples, episode_of):
+            advantage = advantages[episode]  # every segment of an episode trains with its advantage
             if config.mask_truncated and sample.cut_by_length:
                 masked += 1
                 continue

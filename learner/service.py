@@ -137,6 +137,7 @@ def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int, *, sft: bool =
             reward=rollout.reward.value,
             reward_status=_reward_status(rollout),
             sample_index=rollout.sample_index,
+            episode=rollout.episode,
             turn_finish_reasons=_finish_reasons(rollout),
             step_rewards=list(rollout.step_rewards),
             sampling_spans=_sampling_spans(rollout),

@@ -43,6 +43,9 @@ class TrainSample(BaseModel):
     reward: float
     reward_status: RewardStatus = RewardStatus.SCORED
     sample_index: int = 0
+    # Samples of a group with the same non-empty episode are the segments of one episode: one
+    # sample in the group's statistics, each segment trained with its advantage.
+    episode: str = ""
     # Why each policy turn ended, in turn order; empty when the sender did not say.
     turn_finish_reasons: list[FinishReason] = []
     # The environment's reward of each step, in order (`reward` is the trajectory's grade); empty

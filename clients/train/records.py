@@ -28,6 +28,7 @@ def rollout_to_pb(record: RolloutRecord) -> learner_pb2.Rollout:
     """The learner's message for one rollout record, finish reasons and step rewards included."""
     return learner_pb2.Rollout(
         sample_index=record.sample,
+        episode=record.episode,
         token_ids=record.token_ids,
         loss_mask=record.loss_mask,
         rollout_logprobs=record.logprobs,
@@ -68,13 +69,17 @@ def group_to_pb(group_id: str, records: Sequence[RolloutRecord],
 
 def with_epoch(group: RolloutGroup, epoch: int) -> tuple[str, list[RolloutRecord]]:
     """The group's id for this pass over the split, and its records renamed to match: a step
-    group's id adds its step, `<env>/<split>/<index>#<epoch>/step<k>`."""
+    group's id adds its step, `<env>/<split>/<index>#<epoch>/step<k>`. The segments of one
+    episode keep what follows the sample in their ids (`/segment1`) and are renamed together."""
     group_id = f"{group.task.group_id}#{epoch}" + ("" if group.step is None else f"/step{group.step}")
-    records = [
-        r.model_copy(update={"group_id": group_id, "rollout_id": f"{group_id}/{r.sample}"})
-        for r in group.rollouts
-    ]
-    return group_id, records
+
+    def renamed(r: RolloutRecord) -> RolloutRecord:
+        sample_id = f"{r.group_id}/{r.sample}"
+        tail = r.rollout_id[len(sample_id):] if r.rollout_id.startswith(sample_id) else ""
+        return r.model_copy(update={"group_id": group_id, "rollout_id": f"{group_id}/{r.sample}{tail}",
+                                    "episode": f"{group_id}/{r.sample}" if r.episode else ""})
+
+    return group_id, [renamed(r) for r in group.rollouts]
 
 
 class StepRecord(BaseModel):

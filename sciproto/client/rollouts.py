@@ -8,6 +8,8 @@ One JSON object per line, UTF-8:
      "group_id": "gsm8k/test/3",           # the samples of one task form a group (a step group:
                                            #   "notebook/train/3/step2", one line per branch)
      "env": "gsm8k", "split": "test", "index": 3, "sample": 0,
+     "episode": "",                        # non-empty: this line is one segment of that episode
+                                           #   (the gateway's session that rewrote its history)
      "task": {"question": "..."},          # the env's task summary (strings)
      "status": "SCORED" | "UNSCORED" | "INFRA_ERROR",
      "reward": 1.0, "reward_components": {"correct": 1.0}, "reward_detail": "",
@@ -209,6 +211,9 @@ class RolloutRecord(BaseModel):
     split: str
     index: int = Field(ge=0)
     sample: int = Field(ge=0)
+    episode: str = Field("", description="Records of a group with the same non-empty episode are the segments of "
+                         "one episode (an agent that rewrote its history): they share `sample`, count as one sample "
+                         "of the group, and each trains with that sample's advantage")
     task: dict[str, str] = Field(default_factory=dict)
     status: RolloutStatus
     reward: float = 0.0
@@ -274,6 +279,11 @@ class RolloutGroup:
     @property
     def group_id(self) -> str:
         return self.task.group_id if self.step is None else f"{self.task.group_id}/step{self.step}"
+
+    @property
+    def size(self) -> int:
+        """Its samples: the records of one episode's segments count once."""
+        return len({(r.sample, r.episode) if r.episode else (r.sample, r.rollout_id) for r in self.rollouts})
 
     @property
     def complete(self) -> bool:

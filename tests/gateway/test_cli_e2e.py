@@ -1,7 +1,9 @@
-"""`sciproto serve gateway` failing to start: one line saying what to fix, a non-zero exit."""
+"""`sciproto serve gateway` failing to start: one line saying what to fix, a non-zero exit; and its
+help, whole at 80 columns."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from sciproto.processes import ServerProcess, sciproto_command
@@ -28,3 +30,13 @@ def test_a_port_in_use_is_named(tiny_policy: ServerProcess) -> None:
         assert first.alive()
     finally:
         first.stop()
+
+
+def test_the_help_names_every_option_in_full_at_80_columns() -> None:
+    shown = subprocess.run(sciproto_command("serve", "gateway", "--help"), capture_output=True, text=True, timeout=120,
+                           check=False, env={**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert shown.returncode == 0, shown.stderr
+    assert "…" not in shown.stdout
+    for option in ("--policy-token-file", "--max-session-tokens", "--max-held-records", "--max-request-bytes",
+                   "--model-name", "--verbose"):
+        assert option in shown.stdout, option

@@ -10,8 +10,12 @@ import httpx
 import openai
 import pytest
 
+from clients.train import group_to_pb, with_epoch
 from gateway.local import LocalGateway
-from sciproto.client.rollouts import RolloutStatus
+from learner.config import GRPOConfig
+from learner.grpo import group_advantages, prepare_batch
+from learner.service import group_from_pb
+from sciproto.client.rollouts import RolloutRecord, RolloutStatus
 from sciproto.processes import ServerProcess, start_server
 from tests.gateway.conftest import serve_gateway
 
@@ -42,6 +46,50 @@ async def test_a_group_of_function_agents_becomes_one_rollout_group(tiny_policy:
         assert record.steps == 2 and record.task["segments"] == "1" and sum(record.loss_mask) > 0
 
 
+async def test_a_session_that_rewrites_its_history_is_one_sample_of_its_group(tiny_policy: ServerProcess) -> None:
+    """Run 0 starts over halfway (a new segment of its session): its group still has three
+    samples, the learner's statistics count its reward once, and both its segments train with
+    its advantage."""
+    def agent(base_url: str) -> float:
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say yes."}], max_tokens=4)
+        if "/run0-" not in base_url:
+            return 0.0
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Start over."}],
+                                       max_tokens=4)
+        return 1.0
+
+    async with LocalGateway([tiny_policy.target]) as gateway:
+        group = await gateway.run_group(agent, "rewrite/train/0", size=3)
+    by_session: dict[str, list[RolloutRecord]] = {}
+    for record in group.rollouts:
+        by_session.setdefault(record.task["session"], []).append(record)
+    rewritten = next(records for records in by_session.values() if len(records) == 2)
+    assert len(by_session) == 3 and len(group.rollouts) == 4 and {r.reward for r in rewritten} == {1.0}
+    assert [r.task["segment"] for r in rewritten] == ["0", "1"] and {r.task["segments"] for r in rewritten} == {"2"}
+
+    trained = group_from_pb(group_to_pb(group.group_id, group.rollouts), vocab_size=10**6)
+    config = GRPOConfig()
+    plan = prepare_batch([trained], config)
+    expected = group_advantages([1.0, 0.0, 0.0], config.adv_eps)
+    assert expected is not None
+    assert sorted(plan.advantages) == pytest.approx(sorted(expected))  # one advantage per episode
+    assert sorted(plan.scored_rewards) == [0.0, 0.0, 1.0]
+    assert sorted(seq.advantage for seq in plan.sequences) == pytest.approx(sorted([expected[0], *expected]))
+    segment_tokens = sorted(sum(r.loss_mask) for r in rewritten)
+    assert sorted(int(seq.loss_mask.sum()) for seq in plan.sequences if seq.advantage > 0) == segment_tokens
+    # The rollout file says so: both segments are sample k, episode "rewrite/train/0/k".
+    assert group.size == 3 and len({r.rollout_id for r in group.rollouts}) == 4
+    assert {(r.sample, r.episode) for r in rewritten} == {(rewritten[0].sample, rewritten[0].rollout_id)}
+    assert rewritten[1].rollout_id == f"{rewritten[0].rollout_id}/segment1"
+    assert sorted(r.sample for r in group.rollouts if not r.episode) == sorted({0, 1, 2} - {rewritten[0].sample})
+    # A training run renames a group for its pass over the tasks; the segments stay one episode.
+    _, renamed = with_epoch(group, 2)
+    assert len({r.rollout_id for r in renamed}) == 4
+    assert {r.episode for r in renamed if r.episode} == {f"rewrite/train/0#2/{rewritten[0].sample}"}
+
+
 def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = {name: secrets.token_urlsafe(24) for name in ("agent", "grader", "trainer", "gateway")}
     for name, token in tokens.items():
@@ -60,6 +108,11 @@ def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: 
             base = f"http://{gateway.target}"
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+            # A caller without a key is told what to send in HTTP's terms, not gRPC's.
+            anonymous = httpx.get(f"{base}/v1/models", timeout=30)
+            assert anonymous.status_code == 401, anonymous.text
+            said = anonymous.json()["error"]["message"]
+            assert "Authorization: Bearer" in said and "metadata" not in said and "ChannelConfig" not in said
             agent = openai.OpenAI(base_url=f"{base}/s/x/v1", api_key=tokens["agent"], max_retries=0, timeout=120)
             model = agent.models.list().data[0].id
             agent.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
@@ -77,6 +130,17 @@ def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: 
             take = httpx.post(f"{base}/groups/g/take", timeout=30,
                               headers={"Authorization": f"Bearer {tokens['trainer']}"})
             assert take.status_code == 200 and take.json()["records"] == []
+            # A task's label has slashes; its group is found by the label as written.
+            grader = {"Authorization": f"Bearer {tokens['grader']}"}
+            assert httpx.post(f"{base}/s/y/v1/chat/completions", headers=grader, timeout=120, json={
+                "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).status_code == 200
+            closed = httpx.post(f"{base}/sessions/y/close", json={"group": "toy/train/0", "reward": 1.0},
+                                headers=grader, timeout=30)
+            assert closed.status_code == 200 and closed.json()["group"] == "toy/train/0", closed.text
+            take = httpx.post(f"{base}/groups/toy/train/0/take", timeout=30,
+                              headers={"Authorization": f"Bearer {tokens['trainer']}"})
+            assert take.status_code == 200, take.text
+            assert [r["rollout_id"] for r in take.json()["records"]] == ["toy/train/0/0"]
         finally:
             gateway.stop()
     finally:

@@ -69,9 +69,11 @@ def test_a_multi_turn_session_is_one_token_faithful_sequence(gateway: ServerProc
     closed = httpx.post(f"{base}/sessions/count-1/close", json={"group": "count/train/7", "reward": 0.5},
                         timeout=30).json()
     assert closed == {"session": "count-1", "group": "count/train/7", "records": 2, "segments": 2,
-                      "rollout_ids": ["count/train/7/0", "count/train/7/1"]}
+                      "rollout_ids": ["count/train/7/0", "count/train/7/0/segment1"]}
     records = list(read_rollouts(rollouts))
-    assert [r.rollout_id for r in records] == ["count/train/7/0", "count/train/7/1"]
+    # Two segments, one episode: one sample of the group.
+    assert [(r.rollout_id, r.sample, r.episode) for r in records] == [
+        ("count/train/7/0", 0, "count/train/7/0"), ("count/train/7/0/segment1", 0, "count/train/7/0")]
     first = records[0]
     final = calls[-1]
     assert first.token_ids == final["prompt_token_ids"] + final["choices"][0]["completion_token_ids"]
@@ -90,7 +92,7 @@ def test_a_multi_turn_session_is_one_token_faithful_sequence(gateway: ServerProc
     assert [m.role for m in first.messages] == ["system", "user", "assistant", "user", "assistant", "user",
                                                 "assistant"]
     taken = httpx.post(f"{base}/groups/count%2Ftrain%2F7/take", timeout=30).json()
-    assert [r["rollout_id"] for r in taken["records"]] == ["count/train/7/0", "count/train/7/1"]
+    assert [r["rollout_id"] for r in taken["records"]] == ["count/train/7/0", "count/train/7/0/segment1"]
     assert httpx.post(f"{base}/groups/count%2Ftrain%2F7/take", timeout=30).json()["records"] == []
 
 
@@ -129,17 +131,25 @@ def test_sessions_are_bounded_and_closing_needs_an_outcome(gateway: ServerProces
 
 
 def test_idle_sessions_expire_and_are_counted_and_sizes_are_capped(tiny_policy: ServerProcess) -> None:
-    server = serve_gateway("--policy", tiny_policy.target, "--session-ttl", "1", "--max-session-tokens", "40")
+    server = serve_gateway("--policy", tiny_policy.target, "--session-ttl", "2", "--max-session-tokens", "100")
     try:
         base = f"http://{server.target}"
         body = {"model": _model(server), "messages": [{"role": "user", "content": "a long enough question"}],
-                "max_tokens": 4}
-        assert httpx.post(f"{base}/s/big/v1/chat/completions", json=body, timeout=60).status_code == 200
+                "max_tokens": 4, "temperature": 0}  # a prompt of 41 tokens with the tiny model's template
+        greedy = {**body, "max_tokens": 500}
+        for session in ("big", "one-call"):
+            # No call takes a session past its limit: a completion is cut where the limit falls.
+            calls = [httpx.post(f"{base}/s/{session}/v1/chat/completions", json=body if (session, n) == ("big", 0)
+                                else greedy, timeout=60) for n in range(2 if session == "big" else 1)]
+            assert [c.status_code for c in calls] == [200] * len(calls), calls[-1].text
+            recorded = httpx.get(f"{base}/sessions/{session}", timeout=30).json()["tokens"]
+            assert recorded <= 100 and (recorded == 100 or calls[-1].json()["choices"][0]["finish_reason"] == "stop")
         refused = httpx.post(f"{base}/s/big/v1/chat/completions", json=body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_too_large"
-        time.sleep(1.5)  # past the idle TTL (a bound being exceeded, not a speed being measured)
+        assert "--max-session-tokens" in refused.json()["error"]["message"]
+        time.sleep(2.5)  # past the idle TTL (a bound being exceeded, not a speed being measured)
         assert httpx.get(f"{base}/sessions/big", timeout=30).status_code == 404
-        assert httpx.get(f"{base}/health", timeout=30).json()["expired_sessions"] == 1
+        assert httpx.get(f"{base}/health", timeout=30).json()["expired_sessions"] == 2
     finally:
         server.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -145,3 +146,84 @@ def test_a_responses_function_call_round_trip(gateway: ServerProcess) -> None:
     session.responses.create(model=_model(session), input=follow, tools=tools, max_output_tokens=8)
     calls = httpx.get(f"{base}/sessions/responses", timeout=30).json()["calls"]
     assert [(c["segment"], c["extends"]) for c in calls] == [(0, False), (0, True)]
+
+
+ANTHROPIC_TOOLS = [{"name": "calculator", "description": "Evaluate arithmetic.",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+GREEDY = {"temperature": 0}  # a body field the installed SDK no longer lists as an argument
+
+
+def test_an_anthropic_tool_loop_reaches_a_final_answer_and_its_session_a_group(gateway: ServerProcess) -> None:
+    """The official `anthropic` SDK on /v1/messages: the same prompt tokens as the openai SDK's
+    (the model trained on those writes the call), a tool_use turn, the tool's result, a final
+    answer on the same tokens, and the session closed into a rollout group."""
+    base = f"http://{gateway.target}"
+    client = anthropic.Anthropic(base_url=f"{base}/s/claude", api_key="unused", max_retries=0, timeout=120)
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    messages: list[dict] = [{"role": "user", "content": "What is 2+2?"}]
+    first = client.messages.create(model=model, max_tokens=96, tools=ANTHROPIC_TOOLS, messages=messages,
+                                   extra_body=GREEDY)
+    assert first.stop_reason == "tool_use" and first.role == "assistant" and first.usage.output_tokens > 0
+    [use] = [block for block in first.content if block.type == "tool_use"]
+    assert (use.name, use.input) == ("calculator", {"expression": "2+2"})
+    answer = first
+    for _ in range(3):  # the loop an agent runs: call the tool, send its result, until no tool is asked for
+        messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in answer.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "4"}
+                                                  for block in answer.content if block.type == "tool_use"]}]
+        answer = client.messages.create(model=model, max_tokens=8, tools=ANTHROPIC_TOOLS, messages=messages)
+        if answer.stop_reason != "tool_use":
+            break
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    calls = httpx.get(f"{base}/sessions/claude", timeout=30).json()["calls"]
+    assert [(c["segment"], c["extends"]) for c in calls] == [(0, False)] + [(0, True)] * (len(calls) - 1)
+    sequence = calls[0]["prompt_token_ids"] + calls[0]["choices"][0]["completion_token_ids"]
+    assert calls[1]["prompt_token_ids"][: len(sequence)] == sequence
+    # The same question through the openai SDK has the same prompt tokens.
+    probe = httpx.get(f"{base}/sessions/probe", timeout=30).json()["calls"][0]["prompt_token_ids"]
+    assert calls[0]["prompt_token_ids"] == probe
+
+    closed = httpx.post(f"{base}/sessions/claude/close", json={"group": "calc/train/0", "reward": 1.0},
+                        timeout=30).json()
+    assert closed["records"] == 1 and closed["segments"] == 1
+    [record] = httpx.post(f"{base}/groups/calc/train/0/take", timeout=30).json()["records"]
+    assert record["steps"] == len(calls) and record["reward"] == 1.0 and sum(record["loss_mask"]) == sum(
+        len(c["choices"][0]["completion_token_ids"]) for c in calls)
+    assert record["messages"][-1]["role"] == "assistant"
+
+
+def test_an_anthropic_stream_matches_the_whole_message(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    for tools in (ANTHROPIC_TOOLS, []):
+        whole = client.messages.create(model=model, max_tokens=24, tools=tools, messages=question, extra_body=GREEDY)
+        with client.messages.stream(model=model, max_tokens=24, tools=tools, messages=question,
+                                    extra_body=GREEDY) as stream:
+            text = "".join(stream.text_stream)
+            streamed = stream.get_final_message()
+        assert [block.model_dump() for block in streamed.content] == [block.model_dump() for block in whole.content]
+        assert (streamed.stop_reason, streamed.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
+        assert text == "".join(block.text for block in whole.content if block.type == "text")
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.content[0].type == "text"
+
+
+def test_anthropic_errors_have_its_shape_and_name_its_fields(gateway: ServerProcess) -> None:
+    base = f"http://{gateway.target}"
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model, max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [image]}])
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[2].content[0]" in caught.value.message and "text only" in caught.value.message
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model, max_tokens=8, stop_sequences=[""], messages=[{"role": "user",
+                                                                                         "content": "hi"}])
+    assert "stop_sequences" in caught.value.message
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"

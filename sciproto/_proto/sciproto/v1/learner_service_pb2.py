@@ -27,7 +27,7 @@ from sciproto._proto.sciproto.v1 import common_pb2 as sciproto_dot_v1_dot_common
 from sciproto._proto.sciproto.v1 import policy_service_pb2 as sciproto_dot_v1_dot_policy__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!sciproto/v1/learner_service.proto\x12\x0bsciproto.v1\x1a\x17google/rpc/status.proto\x1a\x18sciproto/v1/common.proto\x1a sciproto/v1/policy_service.proto\"e\n\x1dLearnerServiceDescribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\"\xae\x01\n\x12RolloutBufferState\x12\x17\n\x0fgroups_buffered\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x17\n\x0fgroups_received\x18\x03 \x01(\x04\x12\x1c\n\x14groups_dropped_stale\x18\x04 \x01(\x04\x12\x1c\n\x14groups_skipped_equal\x18\x05 \x01(\x04\x12\x18\n\x10groups_duplicate\x18\x06 \x01(\x04\"\xd9\x01\n\x1eLearnerServiceDescribeResponse\x12\'\n\x06server\x18\x01 \x01(\x0b\x32\x17.sciproto.v1.ServerInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x15\n\rmax_staleness\x18\x05 \x01(\r\x12/\n\x06\x62uffer\x18\x06 \x01(\x0b\x32\x1f.sciproto.v1.RolloutBufferState\x12\x11\n\tprecision\x18\x07 \x01(\t\"\xc5\x02\n\x07Rollout\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tloss_mask\x18\x03 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x04 \x03(\x02\x12/\n\rversion_spans\x18\x05 \x03(\x0b\x32\x18.sciproto.v1.VersionSpan\x12#\n\x06reward\x18\x06 \x01(\x0b\x32\x13.sciproto.v1.Reward\x12\r\n\x05turns\x18\x07 \x01(\r\x12\x36\n\x13turn_finish_reasons\x18\x08 \x03(\x0e\x32\x19.sciproto.v1.FinishReason\x12\x14\n\x0cstep_rewards\x18\t \x03(\x01\x12\x31\n\x0esampling_spans\x18\n \x03(\x0b\x32\x19.sciproto.v1.SamplingSpan\"Y\n\x0cSamplingSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.sciproto.v1.SamplingParams\"\x96\x01\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12&\n\x08rollouts\x18\x04 \x03(\x0b\x32\x14.sciproto.v1.Rollout\x12.\n\tobjective\x18\x05 \x01(\x0e\x32\x1b.sciproto.v1.TrainObjective\"\x82\x01\n\x10TrainStepRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.sciproto.v1.RolloutGroup\"R\n\x0cGroupReceipt\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x90\x02\n\x13OptimizerStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12>\n\x07metrics\x18\x03 \x03(\x0b\x32-.sciproto.v1.OptimizerStepResult.MetricsEntry\x12\x0e\n\x06groups\x18\x04 \x01(\r\x12\x16\n\x0eweights_pushed\x18\x05 \x01(\x08\x12\x1a\n\x12\x63onsumed_group_ids\x18\x06 \x03(\t\x12\x1f\n\x17\x64ropped_stale_group_ids\x18\x07 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"i\n\x0bStepFailure\x12!\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x12.google.rpc.Status\x12\x1a\n\x12returned_group_ids\x18\x02 \x03(\t\x12\x1b\n\x13\x61\x62\x61ndoned_group_ids\x18\x03 \x03(\t\"\xd3\x01\n\x11TrainStepResponse\x12,\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.sciproto.v1.GroupReceiptH\x00\x12\x30\n\x04step\x18\x02 \x01(\x0b\x32 .sciproto.v1.OptimizerStepResultH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12\x30\n\x0cstep_failure\x18\x04 \x01(\x0b\x32\x18.sciproto.v1.StepFailureH\x00\x42\x07\n\x05\x65vent\"p\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\x11\n\tdirectory\x18\x03 \x01(\t\"Q\n\x16SaveCheckpointResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03*d\n\x0eTrainObjective\x12\x1f\n\x1bTRAIN_OBJECTIVE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAIN_OBJECTIVE_GRPO\x10\x01\x12\x17\n\x13TRAIN_OBJECTIVE_SFT\x10\x02\x32\xa0\x02\n\x0eLearnerService\x12\x63\n\x08\x44\x65scribe\x12*.sciproto.v1.LearnerServiceDescribeRequest\x1a+.sciproto.v1.LearnerServiceDescribeResponse\x12N\n\tTrainStep\x12\x1d.sciproto.v1.TrainStepRequest\x1a\x1e.sciproto.v1.TrainStepResponse(\x01\x30\x01\x12Y\n\x0eSaveCheckpoint\x12\".sciproto.v1.SaveCheckpointRequest\x1a#.sciproto.v1.SaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!sciproto/v1/learner_service.proto\x12\x0bsciproto.v1\x1a\x17google/rpc/status.proto\x1a\x18sciproto/v1/common.proto\x1a sciproto/v1/policy_service.proto\"e\n\x1dLearnerServiceDescribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\"\xae\x01\n\x12RolloutBufferState\x12\x17\n\x0fgroups_buffered\x18\x01 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\r\x12\x17\n\x0fgroups_received\x18\x03 \x01(\x04\x12\x1c\n\x14groups_dropped_stale\x18\x04 \x01(\x04\x12\x1c\n\x14groups_skipped_equal\x18\x05 \x01(\x04\x12\x18\n\x10groups_duplicate\x18\x06 \x01(\x04\"\xd9\x01\n\x1eLearnerServiceDescribeResponse\x12\'\n\x06server\x18\x01 \x01(\x0b\x32\x17.sciproto.v1.ServerInfo\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x15\n\rmax_staleness\x18\x05 \x01(\r\x12/\n\x06\x62uffer\x18\x06 \x01(\x0b\x32\x1f.sciproto.v1.RolloutBufferState\x12\x11\n\tprecision\x18\x07 \x01(\t\"\xd6\x02\n\x07Rollout\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tloss_mask\x18\x03 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x04 \x03(\x02\x12/\n\rversion_spans\x18\x05 \x03(\x0b\x32\x18.sciproto.v1.VersionSpan\x12#\n\x06reward\x18\x06 \x01(\x0b\x32\x13.sciproto.v1.Reward\x12\r\n\x05turns\x18\x07 \x01(\r\x12\x36\n\x13turn_finish_reasons\x18\x08 \x03(\x0e\x32\x19.sciproto.v1.FinishReason\x12\x14\n\x0cstep_rewards\x18\t \x03(\x01\x12\x31\n\x0esampling_spans\x18\n \x03(\x0b\x32\x19.sciproto.v1.SamplingSpan\x12\x0f\n\x07\x65pisode\x18\x0b \x01(\t\"Y\n\x0cSamplingSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.sciproto.v1.SamplingParams\"\x96\x01\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12&\n\x08rollouts\x18\x04 \x03(\x0b\x32\x14.sciproto.v1.Rollout\x12.\n\tobjective\x18\x05 \x01(\x0e\x32\x1b.sciproto.v1.TrainObjective\"\x82\x01\n\x10TrainStepRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.sciproto.v1.RolloutGroup\"R\n\x0cGroupReceipt\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x90\x02\n\x13OptimizerStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12>\n\x07metrics\x18\x03 \x03(\x0b\x32-.sciproto.v1.OptimizerStepResult.MetricsEntry\x12\x0e\n\x06groups\x18\x04 \x01(\r\x12\x16\n\x0eweights_pushed\x18\x05 \x01(\x08\x12\x1a\n\x12\x63onsumed_group_ids\x18\x06 \x03(\t\x12\x1f\n\x17\x64ropped_stale_group_ids\x18\x07 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"i\n\x0bStepFailure\x12!\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x12.google.rpc.Status\x12\x1a\n\x12returned_group_ids\x18\x02 \x03(\t\x12\x1b\n\x13\x61\x62\x61ndoned_group_ids\x18\x03 \x03(\t\"\xd3\x01\n\x11TrainStepResponse\x12,\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.sciproto.v1.GroupReceiptH\x00\x12\x30\n\x04step\x18\x02 \x01(\x0b\x32 .sciproto.v1.OptimizerStepResultH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12\x30\n\x0cstep_failure\x18\x04 \x01(\x0b\x32\x18.sciproto.v1.StepFailureH\x00\x42\x07\n\x05\x65vent\"p\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rtrace_context\x18\x02 \x01(\x0b\x32\x19.sciproto.v1.TraceContext\x12\x11\n\tdirectory\x18\x03 \x01(\t\"Q\n\x16SaveCheckpointResponse\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03*d\n\x0eTrainObjective\x12\x1f\n\x1bTRAIN_OBJECTIVE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAIN_OBJECTIVE_GRPO\x10\x01\x12\x17\n\x13TRAIN_OBJECTIVE_SFT\x10\x02\x32\xa0\x02\n\x0eLearnerService\x12\x63\n\x08\x44\x65scribe\x12*.sciproto.v1.LearnerServiceDescribeRequest\x1a+.sciproto.v1.LearnerServiceDescribeResponse\x12N\n\tTrainStep\x12\x1d.sciproto.v1.TrainStepRequest\x1a\x1e.sciproto.v1.TrainStepResponse(\x01\x30\x01\x12Y\n\x0eSaveCheckpoint\x12\".sciproto.v1.SaveCheckpointRequest\x1a#.sciproto.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._loaded_options = None
   _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TRAINOBJECTIVE']._serialized_start=2217
-  _globals['_TRAINOBJECTIVE']._serialized_end=2317
+  _globals['_TRAINOBJECTIVE']._serialized_start=2234
+  _globals['_TRAINOBJECTIVE']._serialized_end=2334
   _globals['_LEARNERSERVICEDESCRIBEREQUEST']._serialized_start=135
   _globals['_LEARNERSERVICEDESCRIBEREQUEST']._serialized_end=236
   _globals['_ROLLOUTBUFFERSTATE']._serialized_start=239
@@ -45,27 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEARNERSERVICEDESCRIBERESPONSE']._serialized_start=416
   _globals['_LEARNERSERVICEDESCRIBERESPONSE']._serialized_end=633
   _globals['_ROLLOUT']._serialized_start=636
-  _globals['_ROLLOUT']._serialized_end=961
-  _globals['_SAMPLINGSPAN']._serialized_start=963
-  _globals['_SAMPLINGSPAN']._serialized_end=1052
-  _globals['_ROLLOUTGROUP']._serialized_start=1055
-  _globals['_ROLLOUTGROUP']._serialized_end=1205
-  _globals['_TRAINSTEPREQUEST']._serialized_start=1208
-  _globals['_TRAINSTEPREQUEST']._serialized_end=1338
-  _globals['_GROUPRECEIPT']._serialized_start=1340
-  _globals['_GROUPRECEIPT']._serialized_end=1422
-  _globals['_OPTIMIZERSTEPRESULT']._serialized_start=1425
-  _globals['_OPTIMIZERSTEPRESULT']._serialized_end=1697
-  _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._serialized_start=1651
-  _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._serialized_end=1697
-  _globals['_STEPFAILURE']._serialized_start=1699
-  _globals['_STEPFAILURE']._serialized_end=1804
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=1807
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=2018
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2020
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2132
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2134
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2215
-  _globals['_LEARNERSERVICE']._serialized_start=2320
-  _globals['_LEARNERSERVICE']._serialized_end=2608
+  _globals['_ROLLOUT']._serialized_end=978
+  _globals['_SAMPLINGSPAN']._serialized_start=980
+  _globals['_SAMPLINGSPAN']._serialized_end=1069
+  _globals['_ROLLOUTGROUP']._serialized_start=1072
+  _globals['_ROLLOUTGROUP']._serialized_end=1222
+  _globals['_TRAINSTEPREQUEST']._serialized_start=1225
+  _globals['_TRAINSTEPREQUEST']._serialized_end=1355
+  _globals['_GROUPRECEIPT']._serialized_start=1357
+  _globals['_GROUPRECEIPT']._serialized_end=1439
+  _globals['_OPTIMIZERSTEPRESULT']._serialized_start=1442
+  _globals['_OPTIMIZERSTEPRESULT']._serialized_end=1714
+  _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._serialized_start=1668
+  _globals['_OPTIMIZERSTEPRESULT_METRICSENTRY']._serialized_end=1714
+  _globals['_STEPFAILURE']._serialized_start=1716
+  _globals['_STEPFAILURE']._serialized_end=1821
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=1824
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=2035
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2037
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2149
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2151
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2232
+  _globals['_LEARNERSERVICE']._serialized_start=2337
+  _globals['_LEARNERSERVICE']._serialized_end=2625
 # @@protoc_insertion_point(module_scope)

@@ -200,10 +200,17 @@ class Rollout(_message.Message):
     TURN_FINISH_REASONS_FIELD_NUMBER: _builtins.int
     STEP_REWARDS_FIELD_NUMBER: _builtins.int
     SAMPLING_SPANS_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """Index of the sample within its group."""
     turns: _builtins.int
     """Number of agent turns."""
+    episode: _builtins.str
+    """Rollouts of one group with the same non-empty episode are the segments of
+    one episode (an agent that rewrote its history, so its tokens are several
+    sequences): they count as one sample in the group's reward statistics and
+    each trains with that sample's advantage. Empty: an episode of its own.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Every token of the trajectory: prompt, completions and environment turns."""
@@ -269,10 +276,11 @@ class Rollout(_message.Message):
         turn_finish_reasons: _abc.Iterable[_policy_service_pb2.FinishReason.ValueType] | None = ...,
         step_rewards: _abc.Iterable[_builtins.float] | None = ...,
         sampling_spans: _abc.Iterable[Global___SamplingSpan] | None = ...,
+        episode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "sampling_spans", b"sampling_spans", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "loss_mask", b"loss_mask", "reward", b"reward", "rollout_logprobs", b"rollout_logprobs", "sample_index", b"sample_index", "sampling_spans", b"sampling_spans", "step_rewards", b"step_rewards", "token_ids", b"token_ids", "turn_finish_reasons", b"turn_finish_reasons", "turns", b"turns", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
