@@ -227,3 +227,16 @@ def test_the_site_search_finds_staleness(site: Path, served: str, tmp_path: Path
     results = re.findall(r"result (\S+) \| ([^\n<]*)", dom)
     assert results, f"the search for 'staleness' found nothing: {dom[:1500]}"
     assert any(path == "/concepts/groups/" for path, _ in results), results
+
+
+def test_the_benchmark_charts_are_drawn_from_the_committed_figures(tmp_path: Path) -> None:
+    """docs/images/bench-*.svg are what scripts/docs/bench_charts.py draws from bench/results/figures.json."""
+    drawn = subprocess.run([sys.executable, str(ROOT / "scripts/docs/bench_charts.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert drawn.returncode == 0, drawn.stderr[-2000:]
+    charts = sorted(tmp_path.glob("bench-*.svg"))
+    assert len(charts) == 4
+    for chart in charts:
+        committed = ROOT / "docs/images" / chart.name
+        assert committed.read_text() == chart.read_text(), (
+            f"{committed.relative_to(ROOT)} is out of date: run python scripts/docs/bench_charts.py")
