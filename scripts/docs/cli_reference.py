@@ -39,8 +39,11 @@ def row(param: Any, ctx: Any) -> str | None:
     if record is None:
         return None
     names, text = record
-    notes = re.findall(r"\[([^\]]+)\]", text)
-    text = re.sub(r"\s*\[[^\]]+\]", "", text)
+    # The bracketed notes click appends ([default: ...], [required]); brackets inside the help
+    # itself ("PYTHON SCRIPT [ARGS]") are prose.
+    tail = re.search(r"(?:\s*\[[^\]]+\])+\s*$", text)
+    notes = re.findall(r"\[([^\]]+)\]", tail.group(0)) if tail else []
+    text = text[:tail.start()] if tail else text
     shown = " ".join(f"`{word.rstrip(',')}`{',' * word.endswith(',')}" if word.startswith("-") else cell(word)
                      for word in names.split())
     if param.param_type_name == "argument":
@@ -68,4 +71,8 @@ def cli_reference() -> str:
     from clients.cli import app
 
     root = typer.main.get_command(app)
-    return "\n".join(render_command(path, command) for path, command in commands(root, ()))
+    listed = list(commands(root, ()))
+    # The commands a reader looks for first, in this order; the rest as --help lists them.
+    first = ("train", "eval", "view", "collect", "serve", "conformance")
+    listed.sort(key=lambda item: first.index(item[0][0]) if item[0][0] in first else len(first))
+    return "\n".join(render_command(path, command) for path, command in listed)
