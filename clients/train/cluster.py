@@ -59,7 +59,9 @@ class ClusterSettings(BaseModel):
     address: str | None = Field(
         None, description="Ray cluster to join (`--ray-address`; else RAY_ADDRESS; else a local Ray for the run)")
     object_store_mb: int = Field(256, ge=64, description="Object store of a local Ray started for the run")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray started for the run (default: all)")
+    num_cpus: int | None = Field(
+        None, ge=1, description=("Logical CPUs of a local Ray started for the run (default: the machine's CPUs, or "
+                                 "what the servers ask for in all if that is more)"))
     start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for a server to report its address")
     stop_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a server to stop")
     restart_wait_s: float = Field(

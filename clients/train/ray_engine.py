@@ -29,6 +29,8 @@ to the driver's node).
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,14 +151,16 @@ class RayServers:
     def stop(self) -> None:
         """Learner first (it checkpoints, then stops its other ranks, which stop next), then policy,
         then env; each bounded; then the actors, placement groups and (when this run started it)
-        Ray itself go."""
+        Ray itself go. A role whose servers never all started (a run that failed to start) is not
+        asked to stop: its actors are killed at once, not waited for."""
         if self._stopped:
             return
         self._stopped = True
         ray = self._ray
         try:
             for role, actors in self._in_stop_order():
-                refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in actors]
+                started = bool(self._targets["learner" if role.startswith("learner") else role.split()[0]])
+                refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in actors] if started else []
                 if refs:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.settings.stop_timeout_s + 5)
                     for ref in ready:
@@ -236,19 +240,72 @@ def check_servers_may_listen(config: Any, node_ip: str) -> None:
                 f" {role}.server.allow_insecure_remote=true (for each of env, policy and learner)") from None
 
 
-def connect(ray: Any, settings: ClusterSettings) -> bool:
-    """Join the cluster at `settings.address` (or RAY_ADDRESS), else start a local Ray for this run
-    with a bounded object store. True when this run started Ray (and must shut it down)."""
-    import os
+def placement_asks(settings: ClusterSettings) -> dict[str, float]:
+    """What the run's servers reserve together: each role's bundle times its replicas (ranks)."""
+    asks: dict[str, float] = {}
+    for resources, count in ((settings.env, settings.env.replicas), (settings.policy, settings.policy.replicas),
+                             (settings.learner, settings.learner.ranks)):
+        for name, amount in resources.bundle().items():
+            asks[name] = asks.get(name, 0.0) + amount * count
+    return asks
 
+
+def _amounts(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"
+
+
+def check_room(settings: ClusterSettings, nodes: list[dict[str, float]], owns_ray: bool) -> None:
+    """Refuse, in one line naming both, a placement that the cluster's live nodes (`nodes`: the
+    resources of each) cannot hold: more of a resource in all than they offer together, or a
+    replica's bundle larger than any one node."""
+    asks = placement_asks(settings)
+    offers: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node.items():
+            offers[name] = offers.get(name, 0.0) + amount
+    short = [name for name, amount in asks.items() if amount > offers.get(name, 0.0) + 1e-9]
+    too_big = [(role, resources.bundle()) for role, resources in
+               (("env", settings.env), ("policy", settings.policy), ("learner", settings.learner))
+               if not any(all(node.get(k, 0.0) >= v - 1e-9 for k, v in resources.bundle().items()) for node in nodes)]
+    if not short and not too_big:
+        return
+    shown = {name: offers.get(name, 0.0) for name in asks} | {
+        name: amount for name, amount in offers.items() if name in ("CPU", "GPU")}
+    fix = ("--set cluster.num_cpus=N gives the local Ray N logical CPUs" if owns_ray and "CPU" in short
+           else "lower cluster.{env,policy,learner} cpus/gpus/resources or replicas, or add nodes that have them")
+    if short:
+        raise ConfigError(f"the run's servers ask Ray for {_amounts(asks)} in all, and the cluster offers "
+                          f"{_amounts(shown)}: {fix}")
+    role, bundle = too_big[0]
+    raise ConfigError(f"each {role} server asks Ray for {_amounts(bundle)} on one node, and no node of the cluster "
+                      f"offers that (its nodes: {'; '.join(_amounts(node) for node in nodes)}): {fix}")
+
+
+def live_node_resources(ray: Any) -> list[dict[str, float]]:
+    """The resources of each live node, less Ray's own bookkeeping (memory, node:... keys)."""
+    return [{name: amount for name, amount in node["Resources"].items()
+             if not name.startswith("node:") and name not in ("memory", "object_store_memory")}
+            for node in ray.nodes() if node.get("Alive")]
+
+
+def connect(ray: Any, settings: ClusterSettings) -> bool:
+    """Join the cluster at `settings.address` (or RAY_ADDRESS), else start a local Ray for this run:
+    on loopback, with a bounded object store, usage stats off, and as many logical CPUs as the
+    machine has or the placement asks for, whichever is more (`cluster.num_cpus` sets it). True
+    when this run started Ray (and must shut it down)."""
     if ray.is_initialized():
         return False
     address = settings.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)  # each server logs to <run_dir>/<role>.log
         return False
-    ray.init(num_cpus=settings.num_cpus, object_store_memory=settings.object_store_mb * 2**20,
-             include_dashboard=False, log_to_driver=False)
+    # Ray's own daemons read this when they start: no usage report. (Its dashboard process still
+    # asks the cloud metadata address which cloud it runs on at start-up, whatever this says.)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    num_cpus = settings.num_cpus or max(os.cpu_count() or 1, math.ceil(placement_asks(settings).get("CPU", 0.0)))
+    # address="local": a new Ray for this run, never one that `ray start` left running here.
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=settings.object_store_mb * 2**20,
+             include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     return True
 
 
@@ -277,6 +334,8 @@ class RayEngine:
 
         check_servers_may_listen(config, ray.util.get_node_ip_address())
         settings = self.settings
+        check_room(settings, live_node_resources(ray), servers.owns_ray)
+        hint = _timeout_hint(settings, servers.owns_ray)
         host = ray.remote(ServerHost)
         timeout_s = settings.start_timeout_s
 
@@ -305,14 +364,17 @@ class RayEngine:
             for i in range(settings.policy.replicas)
         ]
         for role in ("env", "policy"):
-            servers._targets[role] = _addresses(ray, role, servers.actors[role], timeout_s)
+            servers._targets[role] = _addresses(ray, _names(role, settings.env.replicas if role == "env" else
+                                                            settings.policy.replicas), servers.actors[role],
+                                                timeout_s, run_dir, hint)
         learner = config.learner.model_copy(update={
             "policy_targets": servers._targets["policy"], "run_dir": run_dir, "max_steps": config.budget.max_steps,
             "stop_step_wait_s": settings.stop_timeout_s / 2,  # half for the step in flight, half to save
         })
-        self.start_learner(ray, servers, learner.model_dump(mode="json"), run_dir)
+        self.start_learner(ray, servers, learner.model_dump(mode="json"), run_dir, hint)
 
-    def start_learner(self, ray: Any, servers: RayServers, section: dict[str, Any], run_dir: Path) -> None:
+    def start_learner(self, ray: Any, servers: RayServers, section: dict[str, Any], run_dir: Path,
+                      hint: str = "") -> None:
         """The learner from its config `section`: one actor, or with `cluster.learner.ranks` > 1 one
         actor per rank in a placement group (`clients.train.ray_learner`); returns once rank 0
         serves and every other rank follows it."""
@@ -325,19 +387,47 @@ class RayEngine:
         if resources.ranks == 1:
             servers.actors["learner"] = [host.options(**options).remote(
                 "learner", section, str(run_dir / "learner.log"), timeout_s)]
-            servers._targets["learner"] = _addresses(ray, "learner", servers.actors["learner"], timeout_s)
+            servers._targets["learner"] = _addresses(ray, ["learner"], servers.actors["learner"], timeout_s,
+                                                     run_dir, hint)
             return
         group = learner_placement_group(ray, resources, settings.learner_strategy, timeout_s)
         servers.placement_groups.append(group)
         ranks = [host.options(**options, **placement).remote("learner", section, str(run_dir / log_name), timeout_s)
                  for placement, log_name in rank_options(ray, group, resources.ranks)]
         servers.actors["learner"], servers.followers = ranks[:1], ranks[1:]
-        servers._targets["learner"] = _addresses(ray, "learner", ranks, timeout_s, kind="rank")[:1]
+        servers._targets["learner"] = _addresses(
+            ray, [f"learner-rank{rank}" if rank else "learner" for rank in range(resources.ranks)], ranks, timeout_s,
+            run_dir, hint)[:1]
 
 
-def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float, kind: str = "server") -> list[str]:
+def _names(role: str, replicas: int) -> list[str]:
+    """The log-file stem of each replica (`<role>` for one, `<role>-<i>` for several)."""
+    return [role] if replicas == 1 else [f"{role}-{i}" for i in range(replicas)]
+
+
+def _said(stem: str) -> str:
+    """How a message names the server whose log is `<stem>.log`."""
+    if stem.startswith("learner-rank"):
+        return f"learner rank {stem.removeprefix('learner-rank')}"
+    role, _, index = stem.partition("-")
+    return f"{role} server {index}" if index else f"the {role} server"
+
+
+def _timeout_hint(settings: ClusterSettings, owns_ray: bool) -> str:
+    """What a user can still run once a server did not start in time (a run's own Ray is gone by then)."""
+    more = f"--set cluster.start_timeout_s={2 * settings.start_timeout_s:g} waits longer"
+    if owns_ray:
+        return more
+    address = settings.address or os.environ.get("RAY_ADDRESS", "")
+    where = f" --address {address}" if address and "://" not in address else ""
+    return f"`ray status{where}` shows what the cluster has free; {more}"
+
+
+def _addresses(ray: Any, stems: list[str], actors: list[Any], timeout_s: float, run_dir: Path,
+               hint: str = "") -> list[str]:
     """Each actor's address once its server listens (a learner rank other than 0: once it follows
-    rank 0), or a one-line error: the first that fails, or the first still silent at `timeout_s`."""
+    rank 0), or a one-line error naming the server (`stems`: the name of each one's log): the first
+    that fails, or the first still silent at `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     refs = [actor.address.remote() for actor in actors]
     addresses: dict[int, str] = {}
@@ -345,17 +435,18 @@ def _addresses(ray: Any, role: str, actors: list[Any], timeout_s: float, kind: s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            index = next(i for i in range(len(refs)) if i not in addresses)
-            raise ConfigError(f"the {role} {kind} {index} on Ray did not start within {timeout_s:g} s "
-                              "(does the cluster have the CPUs/GPUs/resources it asks for? `ray status`)")
+            stem = stems[next(i for i in range(len(refs)) if i not in addresses)]
+            raise ConfigError(f"{_said(stem)} on Ray did not start within {timeout_s:g} s (its log: "
+                              f"{run_dir / stem}.log){'; ' + hint if hint else ''}")
         index = refs.index(ready[0])
         try:
             addresses[index] = ray.get(ready[0])
         except ray.exceptions.RayActorError as error:
             cause = getattr(error, "cause", None) or error
-            raise ConfigError(f"the {role} {kind} {index} on Ray did not start: {one_line(cause)}") from None
+            raise ConfigError(f"{_said(stems[index])} on Ray did not start: {one_line(cause)} (its log: "
+                              f"{run_dir / stems[index]}.log)") from None
     return [addresses[i] for i in range(len(refs))]
 
 
-__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_servers_may_listen", "connect", "import_ray",
-           "why_dead"]
+__all__ = ["RAY_EXTRA", "RayEngine", "RayServers", "actor_state", "check_room", "check_servers_may_listen", "connect",
+           "import_ray", "live_node_resources", "placement_asks", "why_dead"]

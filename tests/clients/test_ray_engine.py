@@ -9,6 +9,9 @@ import asyncio
 import json
 import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,9 +20,11 @@ from typing import Any
 
 import pytest
 
-# Local nodes on loopback: Ray takes 127.0.0.1 as the node IP (set before Ray is imported, which
-# reads it then). Never for a real cluster.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Local nodes on loopback. In the loopback-only network namespace of scripts/test.sh Ray finds
+# 127.0.0.1 by itself; elsewhere (pytest run by hand) Ray's single-machine mode gives it (set before
+# Ray is imported, which reads it then). Never for a real cluster.
+if [name for _, name in socket.if_nameindex()] != ["lo"]:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
 
@@ -122,6 +127,82 @@ class PlacedEngine(RayEngine):
         if self.check_clients:
             asyncio.run(serves_real_clients(self.servers))
         return self.servers
+
+
+SCIPROTO = Path(sys.executable).parent / "sciproto"
+
+
+def session_processes(session: int) -> set[int]:
+    """Live processes of `session` (`sciproto train` started in a session of its own), and their
+    descendants: the local Ray a run starts and every actor of it."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if fields[0] != "Z":
+            table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
+    found = {pid for pid, (_, sid) in table.items() if sid == session}
+    while more := {pid for pid, (ppid, _) in table.items() if ppid in found} - found:
+        found |= more
+    return found
+
+
+def train_as_typed(run_dir: Path, *extra: str, timeout_s: float = 540) -> tuple[subprocess.CompletedProcess[str], set[int]]:
+    """`sciproto train --config demo --cluster ray` as a user types it (no Ray address, no Ray
+    settings in the environment), a step budget of 2: what it printed, and what of its process
+    session is still alive 20 s after it exited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    process = subprocess.Popen(
+        [str(SCIPROTO), "train", "--config", "demo", "--cluster", "ray", "--set", f"run.dir={run_dir}",
+         "--set", "budget.max_steps=2", "--set", "progress=false", *extra],
+        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    finally:
+        deadline = time.monotonic() + 20
+        while session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = session_processes(process.pid)
+        for pid in left:
+            os.kill(pid, 9)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err), left
+
+
+def test_the_demo_command_as_typed_trains_on_a_local_ray_sized_for_its_servers(tmp_path: Path) -> None:
+    """A local Ray gets a logical CPU for each server the demo places (3 on this 2-core machine),
+    so the command trains with no cluster settings, and nothing of its Ray outlives it."""
+    # A bounded wait, so that a Ray too small for the servers fails here in minutes, not 5.
+    result, left = train_as_typed(tmp_path, "--set", "cluster.start_timeout_s=120")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [step["step"] for step in json.loads((tmp_path / "demo" / "summary.json").read_text())["steps"]] == [1, 2]
+    assert not left, f"processes of the run's Ray outlived it: {sorted(left)}"
+
+
+def test_a_placement_larger_than_the_cluster_or_a_slow_start_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Asked for more than the cluster has: refused before any actor starts, naming both. A server
+    that does not start in time: named by its role (the only env server is not "server 0"), with
+    its log and what to run next. Both advise --debug, which --help shows."""
+    result, left = train_as_typed(tmp_path / "small", "--set", "cluster.num_cpus=1", timeout_s=180)
+    lines = result.stderr.strip().splitlines()[-2:]  # (before them: the run directory, Ray's own notices)
+    assert result.returncode == 1 and len(lines) == 2, result.stderr[-3000:]
+    assert lines[0] == ("sciproto train: error: the run's servers ask Ray for {CPU: 3} in all, and the cluster "
+                        "offers {CPU: 1}: --set cluster.num_cpus=N gives the local Ray N logical CPUs"), lines[0]
+    assert lines[1] == cli_errors.DEBUG_HINT
+    assert not list((tmp_path / "small").glob("*/*.log")), "an actor started"
+    assert not left, f"processes of the run's Ray outlived it: {sorted(left)}"
+
+    result, left = train_as_typed(tmp_path / "slow", "--set", "cluster.start_timeout_s=1", timeout_s=180)
+    lines = result.stderr.strip().splitlines()[-2:]  # (before them: the run directory, Ray's own notices)
+    assert result.returncode == 1 and len(lines) == 2, result.stderr[-3000:]
+    assert lines[0].startswith("sciproto train: error: the env server on Ray did not start"), lines[0]
+    assert f"(its log: {tmp_path / 'slow' / 'demo' / 'env.log'})" in lines[0], lines[0]
+    assert "server 0" not in lines[0]
+    assert not left, f"processes of the run's Ray outlived it: {sorted(left)}"
+
+    assert "--debug" in subprocess.run([str(SCIPROTO), "train", "--help"], capture_output=True, text=True,
+                                       timeout=60, check=True).stdout
 
 
 def test_the_demo_trains_to_its_target_with_each_server_on_its_node(
