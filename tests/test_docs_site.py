@@ -240,3 +240,18 @@ def test_the_benchmark_charts_are_drawn_from_the_committed_figures(tmp_path: Pat
         committed = ROOT / "docs/images" / chart.name
         assert committed.read_text() == chart.read_text(), (
             f"{committed.relative_to(ROOT)} is out of date: run python scripts/docs/bench_charts.py")
+
+
+def test_the_command_reference_shows_only_real_defaults_and_train_first() -> None:
+    """A bracket in an option's own help is not a default (`--preload` showed 'ARGS', from
+    'PYTHON SCRIPT [ARGS]'), and the reference opens with `sciproto train`."""
+    sys.path.insert(0, str(ROOT / "scripts/docs"))
+    try:
+        from cli_reference import cli_reference
+    finally:
+        sys.path.remove(str(ROOT / "scripts/docs"))
+    text = cli_reference()
+    preload = next(line for line in text.splitlines() if line.startswith("| `--preload`"))
+    assert preload.split(" | ")[1] == "", preload
+    assert "PYTHON SCRIPT [ARGS]" in preload
+    assert text.startswith("## `sciproto train`"), text[:80]
