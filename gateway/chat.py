@@ -90,10 +90,8 @@ class ChatCall:
     include_usage: bool = False
 
     def generate_request(self, previous_token_ids: list[int], request_id: str) -> policy_pb2.GenerateRequest:
-        sampling = policy_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p,
+        sampling = policy_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                              max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
-        if self.top_k is not None:  # set only where the protocol carries it (see _top_k)
-            sampling.top_k = self.top_k
         chat = policy_pb2.ChatPrompt(messages=self.messages, tools=self.tools, previous_token_ids=previous_token_ids)
         return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling, n=self.n)
 
@@ -288,12 +286,7 @@ def _top_k(body: dict[str, Any]) -> int | None:
     """top_k (vLLM's extension): sample among the k likeliest tokens (SamplingParams.top_k); 0 or
     -1 (vLLM's "off") and null leave it unset."""
     value = _integer(body, "top_k", -1, (1 << 32) - 1)
-    if value is None or value in (0, -1):
-        return None
-    if "top_k" not in policy_pb2.SamplingParams.DESCRIPTOR.fields_by_name:  # a protocol before 1.3
-        raise ApiError(400, "top_k is not supported by this gateway's policy protocol; leave it out (top_p is "
-                       "honoured)", param="top_k", code="unsupported_parameter")
-    return value
+    return None if value is None or value in (0, -1) else value
 
 
 def _stream_options(body: dict[str, Any]) -> bool:

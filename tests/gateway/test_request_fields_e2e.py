@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
-from sciproto.pb import policy_pb2
 from sciproto.processes import ServerProcess
 from tests.gateway.conftest import serve_gateway
 
@@ -28,7 +28,6 @@ TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look 
                                          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
 # Sampling extensions vLLM's OpenAI server takes, which agents send through `extra_body`.
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty"}
-HAS_TOP_K = "top_k" in policy_pb2.SamplingParams.DESCRIPTOR.fields_by_name  # protocol 1.3
 
 Check = Callable[[openai.OpenAI], None]
 
@@ -216,7 +215,7 @@ CHAT_CASES = [
         ("prediction", {"type": "content", "content": "Red, green, blue."}), ("reasoning_effort", "low"),
         ("verbosity", "low"), ("web_search_options", {}), ("moderation", {"model": "omni-moderation-latest"}),
         ("functions", [TOOL["function"]]), ("function_call", "auto"), ("frobnicate", 1)]),
-    Case("top_k", 1, check_top_k if HAS_TOP_K else None),
+    Case("top_k", 1, check_top_k),
     Case("top_k", 0.5),
 ]
 
@@ -237,6 +236,16 @@ def test_chat_field_is_honoured_or_refused(client: openai.OpenAI, case: Case) ->
     param = caught.value.param or ""
     assert param.split(".")[0] == case.field, caught.value.message
     assert case.field in caught.value.message
+
+
+def test_a_session_records_the_sampling_each_call_was_drawn_with(gateway: ServerProcess) -> None:
+    """Honoured sampling fields are trained under: the session records them with the call."""
+    session = openai.OpenAI(base_url=f"http://{gateway.target}/s/fields-sampling/v1", api_key="unused",
+                            max_retries=0, timeout=120)
+    session.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0.7,
+                                    top_p=0.9, extra_body={"top_k": 5})
+    calls = httpx.get(f"http://{gateway.target}/sessions/fields-sampling", timeout=30).json()["calls"]
+    assert calls[0]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 5}
 
 
 def test_legacy_function_call_in_a_message_is_refused(client: openai.OpenAI) -> None:
