@@ -7,9 +7,7 @@ FSDP2 runs on CPU with the gloo backend as well as on CUDA with NCCL.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,22 +31,6 @@ class DistributedContext:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
-
-
-def init_from_env(timeout_s: float = 600.0) -> DistributedContext:
-    """Join the process group torchrun describes in the environment (no-op without torchrun).
-
-    NCCL when CUDA is available (each rank on cuda:LOCAL_RANK), gloo otherwise.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            timeout=timedelta(seconds=timeout_s),
-        )
-    return current_context()
 
 
 def current_context() -> DistributedContext:

@@ -4,7 +4,6 @@ optimizer step, and the run's outcome (summary.json)."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -135,13 +134,6 @@ class TrainOutcome(BaseModel):
         """Completion tokens per second of generating: from the end of the sft phases on."""
         generating = self.seconds - self.sft_seconds
         return self.completion_tokens / generating if generating > 0 else 0.0
-
-    def reward_at(self, fraction_from: float, fraction_to: float) -> float:
-        """Mean reward of the steps in [fraction_from, fraction_to) of the run's steps."""
-        chosen = self.steps[
-            int(len(self.steps) * fraction_from) : max(1, int(len(self.steps) * fraction_to))
-        ]
-        return sum(s.reward_mean for s in chosen) / len(chosen) if chosen else math.nan
 
 
 def budget_spent(budget: Budget, steps: Sequence[StepRecord]) -> str:
