@@ -69,7 +69,7 @@ from sciproto.client.rollouts import (
     read_rollouts,
 )
 from sciproto.config import load_config
-from sciproto.errors import SciprotoError
+from sciproto.errors import Reason, SciprotoError
 from sciproto.sampling import EpisodeSettings, Sampling
 from sciproto.tracing import TracingConfig, client_interceptors, setup_tracing, shutdown_tracing
 
@@ -252,6 +252,8 @@ async def check_reachable(pool: EnvPool | PolicyPool, what: str, timeout_s: floa
         except SciprotoError as error:
             if error.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise  # it answers, and its message says which token to send
+            if error.reason == Reason.INCOMPATIBLE_PROTOCOL:
+                raise CollectError(error.message) from error  # it answers, in another major version
             if error.code == grpc.StatusCode.UNIMPLEMENTED:
                 raise CollectError(f"{replica.target} is not a {what} server (it has no {pool.service});"
                                    f" give the {what} server's address") from error

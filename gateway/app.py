@@ -20,7 +20,7 @@ from sciproto.auth import AuthConfig, Authenticator
 from sciproto.channel import ChannelConfig
 from sciproto.client.policy import PolicyClient
 from sciproto.config import ConfigError
-from sciproto.errors import SciprotoError
+from sciproto.errors import Reason, SciprotoError
 from sciproto.server import announce_port
 
 __all__ = ["GatewaySettings", "connect", "main", "main_with", "start"]
@@ -54,6 +54,8 @@ async def connect(settings: GatewaySettings, authenticator: Authenticator | None
                 await client.close()
             if not isinstance(answer, SciprotoError):
                 raise answer
+            if answer.reason == Reason.INCOMPATIBLE_PROTOCOL:
+                raise ConfigError(answer.message) from answer
             raise ConfigError(f"the policy server at {target} did not answer Describe ({answer.message}); start it "
                               "(`sciproto serve policy`) or fix --policy") from answer
     described = [answer for answer in answers if not isinstance(answer, BaseException)]

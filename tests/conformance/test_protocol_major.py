@@ -1,10 +1,11 @@
 """A client refuses a server of another major protocol version, with an error that says so: the
-environment, policy and learner clients against real servers (each its own process) that report
-protocol 2.0 in Describe (tests/conformance/major_version_server.py)."""
+environment, policy and learner clients, and the gateway's command line, against real servers
+(each its own process) that report protocol 2.0 in Describe (tests/conformance/major_version_server.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from clients.train.stream import LearnerStream
 from sciproto.client.env import EnvClient
 from sciproto.client.policy import PolicyClient
 from sciproto.errors import FailedPrecondition, Reason
-from sciproto.processes import ServerProcess, start_command
+from sciproto.processes import ServerProcess, sciproto_command, start_command
 from sciproto.version import PROTOCOL_VERSION
 from tests.conformance.conftest import LOG_DIR, ROOT, outcomes, run_kit
 
@@ -83,6 +84,15 @@ def test_learner_stream_refuses_a_learner_of_protocol_2(servers: dict[str, Serve
         asyncio.run(asyncio.wait_for(stream.run(handle), 90))
     assert_refused(caught.value, "learner", servers["learner"].target)
     assert handled == [] and stream.reconnects == 0  # refused before any stream, never retried
+
+
+def test_the_gateway_refuses_to_serve_over_a_policy_server_of_protocol_2(servers: dict[str, ServerProcess]) -> None:
+    target = servers["policy"].target
+    result = subprocess.run(sciproto_command("serve", "gateway", "--policy", target, "--port", "0"),
+                            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"the policy server at {target} speaks protocol 2.0" in lines[0], result.stderr
 
 
 def test_the_kit_fails_describe_on_a_server_of_protocol_2(servers: dict[str, ServerProcess]) -> None:
