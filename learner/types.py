@@ -7,6 +7,8 @@ from enum import Enum
 
 from pydantic import BaseModel, Field, model_validator
 
+from sciproto.sampling import check_sampling
+
 
 class RewardStatus(str, Enum):
     """Where a reward came from; only SCORED rewards train the policy."""
@@ -85,10 +87,13 @@ class TrainSample(BaseModel):
         for start, end, temperature, top_p, top_k in self.sampling_spans:
             if not 0 <= start < end <= n:
                 raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}) lies outside token_ids [0, {n})")
-            if not (0 < temperature < math.inf and 0 < top_p <= 1 and top_k >= 0):
-                raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}) has temperature {temperature},"
-                                 f" top_p {top_p}, top_k {top_k}; a sampled distribution needs temperature > 0,"
-                                 " top_p in (0, 1] and top_k >= 0 (a greedy turn reads 1, 1, 0)")
+            try:
+                check_sampling(temperature, top_p, top_k)
+            except ValueError as error:
+                raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}): {error}") from None
+            if temperature == 0:
+                raise ValueError(f"TrainSample.sampling_spans: span [{start}, {end}) has temperature 0; a greedy"
+                                 " turn's logprobs are untempered and untruncated: send it as 1, 1, 0")
         if not all(math.isfinite(r) for r in self.step_rewards):
             raise ValueError("TrainSample.step_rewards must all be finite (no NaN or infinity)")
         return self
