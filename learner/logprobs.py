@@ -20,7 +20,8 @@ positions at a time, and the backward pass recomputes each chunk's softmax:
 
 y_t joins K_t because it was sampled, so the sampler's own set held it; only a token within float
 rounding of the set's edge can fall outside the learner's recomputed set, and it then counts in
-the normaliser instead of making log pi -inf. The backward pass recomputes K_t.
+the normaliser instead of making log pi -inf. The forward pass keeps each position's least kept
+z_t (one float), from which the backward pass rebuilds K_t without sorting the vocabulary again.
 
 Memory beyond the logits and their gradient: about three float32 chunks of [chunk, V] (four
 when a chunk truncates: the kept-token mask).
@@ -48,22 +49,30 @@ def _spans(rows: int, length: int, chunk: int) -> Iterator[slice]:
 
 
 def _tempered(logits: torch.Tensor, targets: torch.Tensor, span: slice, temperature: float | torch.Tensor,
-              top_p: torch.Tensor | None, top_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | float,
-                                                                             torch.Tensor | None]:
-    """z = logits / T of a chunk of positions, the -inf mask of what truncation drops applied
-    (the targets kept), T as it divides (a float or [B, c, 1]), and the kept-token mask."""
+              top_p: torch.Tensor | None, top_k: torch.Tensor | None, floor: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | None]:
+    """z = logits / T of a chunk of positions with what truncation drops set to -inf (the targets
+    kept), T as it divides (a float or [B, c, 1]), and the kept-token mask (None: nothing dropped).
+
+    The kept set of a position is every token whose z is at least `floor` (its least kept z; -inf
+    where nothing is truncated): `floor` [B, S] is filled here from the rule (`kept_tokens`, a sort
+    of the vocabulary) on the forward pass, and read back on the backward pass instead of sorting
+    again. (A token tied with the least kept one counts as kept, where a sort could split the tie.)"""
     t = temperature[:, span].unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
     z = logits[:, span].float() / t
-    if top_p is None or top_k is None:
+    if top_p is None or top_k is None or floor is None:
         return z, t, None
-    p, k = top_p[:, span], top_k[:, span]
-    if not bool((p < 1).any()) and not bool((k > 0).any()):
-        return z, t, None
-    vocab = z.shape[-1]
-    keep = kept_tokens(z.reshape(-1, vocab), k.reshape(-1), p.reshape(-1).float())
-    if keep is None:
-        return z, t, None
-    keep = keep.view_as(z).scatter_(-1, targets[:, span].unsqueeze(-1), True)
+    least = floor[:, span]
+    if not bool(torch.isfinite(least).any()):
+        p, k = top_p[:, span], top_k[:, span]
+        rule = None
+        if bool((p < 1).any()) or bool((k > 0).any()):
+            rule = kept_tokens(z.reshape(-1, z.shape[-1]), k.reshape(-1), p.reshape(-1).float())
+        if rule is None:
+            return z, t, None
+        least = z.masked_fill(~rule.view_as(z), float("inf")).amin(dim=-1)
+        floor[:, span] = least
+    keep = (z >= least.unsqueeze(-1)).scatter_(-1, targets[:, span].unsqueeze(-1), True)
     return z.masked_fill_(~keep, float("-inf")), t, keep
 
 
@@ -75,16 +84,18 @@ class _TokenLogProbs(torch.autograd.Function):
         rows, length = targets.shape
         chosen = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(chosen)
+        truncated = top_p is not None and top_k is not None
+        floor = torch.full_like(chosen, float("-inf")) if truncated else None
         for span in _spans(rows, length, chunk):
-            z, _, keep = _tempered(logits, targets, span, temperature, top_p, top_k)
+            z, _, keep = _tempered(logits, targets, span, temperature, top_p, top_k, floor)
             lse = torch.logsumexp(z, dim=-1)
             chosen[:, span] = z.gather(-1, targets[:, span].unsqueeze(-1)).squeeze(-1) - lse
             finite = z if keep is None else z.masked_fill(~keep, 0.0)  # p_v z_v = 0 outside K
             entropy[:, span] = lse - (torch.softmax(z, dim=-1) * finite).sum(-1)
-        tensors = [t for t in (temperature, top_p, top_k) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in (temperature, top_p, top_k, floor) if isinstance(t, torch.Tensor)]
         ctx.save_for_backward(logits, targets, *tensors)
         ctx.scalar_temperature = None if isinstance(temperature, torch.Tensor) else temperature
-        ctx.truncated = top_p is not None and top_k is not None
+        ctx.truncated = truncated
         ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
         return chosen, entropy
@@ -96,13 +107,13 @@ class _TokenLogProbs(torch.autograd.Function):
         if grad_chosen is None:
             return None, None, None, None, None, None
         temperature = ctx.scalar_temperature if ctx.scalar_temperature is not None else rest.pop(0)
-        top_p, top_k = rest if ctx.truncated else (None, None)
+        top_p, top_k, floor = rest if ctx.truncated else (None, None, None)
         grad = torch.empty_like(logits)
         rows, length = targets.shape
         grad[:, length:] = 0  # positions past the last target (the last one predicts nothing)
         for span in _spans(rows, length, ctx.chunk):
             g = grad_chosen[:, span].float().unsqueeze(-1)  # [B, c, 1]
-            z, t, _ = _tempered(logits, targets, span, temperature, top_p, top_k)
+            z, t, _ = _tempered(logits, targets, span, temperature, top_p, top_k, floor)
             grad_z = torch.softmax(z, dim=-1).mul_(-g)
             grad_z.scatter_add_(-1, targets[:, span].unsqueeze(-1), g)  # g (onehot(y) - p)
             grad[:, span] = grad_z.div_(t)
