@@ -21,3 +21,31 @@ def test_ruff_finds_nothing() -> None:
     result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+# The longest a function (or method) under clients/ or learner/ may be, in lines: a reader follows
+# one in a sitting. A longer one is split into named parts (as `sciproto train`'s loop is into
+# clients/train/producers.py and clients/train/events.py).
+MAX_FUNCTION_LINES = 110
+
+
+def long_functions(folders: tuple[str, ...] = ("clients", "learner"), limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """"path:line name (N lines)" of every function longer than `limit` lines, nested ones included."""
+    import ast
+
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if lines > limit:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_too_long_to_read() -> None:
+    too_long = long_functions()
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named parts):\n" + "\n".join(
+        too_long)
+    assert long_functions(limit=60), "the check finds functions (of more than 60 lines today)"
