@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from policy_server.backends.options import OpenAIOptions, VllmSettings
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
@@ -51,8 +52,8 @@ class PolicyServerConfig(BaseModel):
     max_samples_per_request: int = Field(64, ge=1, description="Largest n a Generate request may ask for")
     transformers: TransformersOptions = Field(default_factory=TransformersOptions)
     weights: WeightUpdateOptions = Field(default_factory=WeightUpdateOptions)
-    # Keyword arguments of the vllm / openai backend constructors, passed through as given.
-    vllm: dict[str, Any] = Field(default_factory=dict)
-    openai: dict[str, Any] = Field(default_factory=dict)
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="Settings of the vllm backend")
+    openai: OpenAIOptions | None = Field(
+        None, description="Settings of the openai backend: the endpoint it serves from (needed with backend openai)")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Bearer tokens and roles; off unless set")
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="Span exporter; off by default")

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from policy_server.backends.options import OpenAIOptions
 from policy_server.prompts import openai_function_tool
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
@@ -39,6 +39,7 @@ from policy_server.types import (
     ToolCall,
     VersionSpan,
 )
+from sciproto.config import ConfigError
 
 _FINISH_REASONS = {
     "stop": FinishReason.STOP,
@@ -49,23 +50,6 @@ _FINISH_REASONS = {
     "abort": FinishReason.ABORT,
 }
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
-
-
-class OpenAIOptions(BaseModel):
-    """Settings of the `openai` backend: the `openai:` section of a policy server config."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    base_url: str = Field(description='Endpoint root including the version, e.g. "http://host:8000/v1"')
-    model: str = Field("", description="Model name sent to the endpoint; the server config's model when empty")
-    api_key_env: str = Field("", description="Name of the environment variable holding the API key; none when empty")
-    token_ids: bool = Field(False, description="Ask for token ids (return_token_ids) and require them")
-    max_context: int = Field(32768, ge=2, description="Context size of the served model, in tokens")
-    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect")
-    read_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the next bytes of an answer")
-    max_attempts: int = Field(3, ge=1, le=10, description="Tries of one request in all, the first included")
-    backoff_s: float = Field(0.5, ge=0, description="Wait before the 2nd try; doubles after each")
-    max_backoff_s: float = Field(10.0, ge=0, description="Longest wait between tries, Retry-After included")
 
 
 class EndpointError(RuntimeError):
@@ -301,4 +285,7 @@ def _retry_after(response: httpx.Response, default_s: float, cap_s: float) -> fl
 def build_backend(config: Any) -> OpenAIBackend:
     """The hook `policy_server.app` calls, for a PolicyServerConfig whose `openai:` section holds
     OpenAIOptions; `config.model` names the served model when openai.model is empty."""
-    return OpenAIBackend(OpenAIOptions(**config.openai), model=config.model)
+    if config.openai is None:
+        raise ConfigError("backend openai needs its endpoint: set openai.base_url (e.g. --set "
+                          "openai.base_url=http://127.0.0.1:8000/v1)")
+    return OpenAIBackend(config.openai, model=config.model)

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.base import COLLECTIVE_CAPABILITIES
+from policy_server.backends.options import VllmSettings
 from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
@@ -62,7 +62,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from sciproto.units import GiB, MiB
+from sciproto.units import MiB
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.vllm import import_vllm
 from sciproto.weights.wire import DigestMismatch
@@ -116,23 +116,9 @@ class Platform:
         return rendezvous.worker_init_info()
 
 
-class VllmOptions(BaseModel):
-    """Settings of the `vllm` backend: the `vllm:` section of a policy server config."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU worker processes) one model is split over")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take (GPU)")
-    kv_cache_bytes: int = Field(1 * GiB, gt=0, description="Size of the KV cache on the CPU (a GPU sizes it from "
-                                "gpu_memory_utilization)")
-    max_model_len: int | None = Field(None, ge=1, description="Context size; the model's when unset")
-    quantization: str = Field("", description='"" for none, or e.g. "fp8_per_block" (blockwise FP8)')
-    enforce_eager: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode)")
-    enable_prefix_caching: bool = True
-    trust_remote_code: bool = False
-    seed: int = Field(0, description="Seed of vLLM's sampler for requests without their own seed")
-    stall_timeout_s: float = Field(600.0, gt=0, description="Longest wait for the next output or update step")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="More AsyncEngineArgs, as given")
+class VllmOptions(VllmSettings):
+    """Settings of the `vllm` backend (the `vllm:` section of a policy server config,
+    policy_server.backends.options), and the engine keywords they make."""
 
     def engine_kwargs(self, model: str, dtype: str, platform: Platform) -> dict[str, Any]:
         """Keyword arguments of vllm.AsyncEngineArgs on `platform`."""
@@ -600,6 +586,6 @@ def build_backend(config: Any) -> VllmBackend:
     Face directory, which is what vLLM loads)."""
     from sciproto.models import model_directory
 
-    options = VllmOptions(**config.vllm)
+    options = VllmOptions.model_validate(config.vllm.model_dump())
     directory = model_directory(config.model, seed=config.seed)
     return VllmBackend.start(str(directory), config.dtype, options, config.weights.collective)
