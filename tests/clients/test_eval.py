@@ -131,6 +131,7 @@ def _tiny_checkpoint(tmp_path: Path, version: int) -> Path:
     folder.mkdir(parents=True)
     save_file(perturbed, str(folder / "model.safetensors"))
     (folder / "manifest.json").write_text(json.dumps({"step": 7, "policy_version": version}))
+    (folder / "learner_state.json").write_text("{}")  # written last by the learner: the checkpoint is complete
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"policy": {"model": "tiny", "seed": 0}}))
     return run_dir
 
