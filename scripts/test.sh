@@ -2,7 +2,7 @@
 # Run the test suite: sets up .venv, a headless Chromium for the viewer and documentation site tests,
 # bubblewrap for the notebook sandbox, gRPC C++ for the C++ client test, the vLLM wheels of the source
 # check, then pytest in a loopback-only network namespace (below). Extra arguments go to pytest
-# (e.g. scripts/test.sh -k env).
+# (e.g. scripts/test.sh -k env); scripts/test.sh --quick runs the tests not marked slow (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup-venv.sh --full
@@ -66,7 +66,13 @@ for package, (version, _) in RELEASES.items():
 PY
 
 export LITELLM_LOCAL_MODEL_COST_MAP=True
-pytest=(.venv/bin/python -m pytest -q "$@")
+args=()
+for arg in "$@"; do
+  # --quick: the tests that start no training run, real engine, browser or compiler (a few minutes);
+  # what runs is what tests/conftest.py does not mark slow.
+  if [[ $arg == --quick ]]; then args+=(-m "not slow"); else args+=("$arg"); fi
+done
+pytest=(.venv/bin/python -m pytest -q "${args[@]}")
 # pytest runs in a network namespace of its own whose only interface is loopback: nothing a test
 # starts (servers, browsers, Ray, whose dashboard probes the cloud metadata address) reaches
 # anything but this machine. Everything fetched from a registry is fetched above, before it.

@@ -25,3 +25,25 @@ def _bwrap_problem() -> str | None:
 # the sandbox skip and the other notebook tests run it with `sandbox: none`.
 BWRAP_PROBLEM = _bwrap_problem()
 NOTEBOOK_SANDBOX = "bwrap" if BWRAP_PROBLEM is None else "none"
+
+
+# Test files that start a training run, a real engine (vLLM, Ray, Slurm), a browser, a compiler or
+# a sandbox, or that go through every command of a page: marked `slow` as a whole, so that
+# `scripts/test.sh --quick` (pytest -m "not slow") runs the rest in a few minutes while the full
+# command runs everything.
+SLOW_FILES = (
+    "_e2e.py", "vllm", "ray", "slurm", "smollm2", "docs_site", "docs_tutorial", "viewer", "wheel",
+    "readme_commands", "no_orphans", "cpp_client", "node_client", "sandbox", "collective", "fsdp2",
+    "test_train_", "kernel_pool", "leftovers", "bench_scripts", "step_training", "sft_phase_resume",
+    "curriculum_train", "rollouts_to_learner", "protocol_major",
+)
+SLOW_FOLDERS = ("reliability",)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    import pytest
+
+    for item in items:
+        path = item.path
+        if path.parent.name in SLOW_FOLDERS or any(part in path.name for part in SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
