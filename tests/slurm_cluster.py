@@ -77,6 +77,9 @@ def slurm_cluster(root: Path, start_timeout_s: float = 60.0) -> Iterator[SlurmCl
     conf.write_text("\n".join([
         "ClusterName=sciproto-test",
         "SlurmctldHost=localhost",
+        # Slurm asks getaddrinfo for IPv4 only with AI_ADDRCONFIG, which finds nothing where the only
+        # interface is loopback (the network namespace of scripts/test.sh); with IPv6 on it asks for any.
+        "CommunicationParameters=EnableIPv6",
         "SlurmUser=root",
         "AuthType=auth/munge",
         f"AuthInfo=socket={socket_path}",

@@ -5,6 +5,7 @@ started here (tests/slurm_cluster.py) starts Ray on the allocation, trains the d
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,19 @@ pytestmark = pytest.mark.skipif(slurm_missing() is not None, reason=str(slurm_mi
 
 
 def ray_processes() -> set[str]:
+    """Ray's daemons in this test's network namespace (scripts/test.sh gives the run one of its own:
+    a Ray of another run on the machine is not this job's)."""
     found = subprocess.run(["pgrep", "-f", "ray/core/src/ray/gcs/gcs_server|raylet/raylet"],
                            capture_output=True, text=True, check=False).stdout.split()
-    return set(found)
+    ours = os.readlink("/proc/self/ns/net")
+
+    def here(pid: str) -> bool:
+        try:
+            return os.readlink(f"/proc/{pid}/ns/net") == ours
+        except OSError:
+            return False
+
+    return {pid for pid in found if here(pid)}
 
 
 @pytest.mark.timeout(900)
