@@ -40,7 +40,7 @@ SLOW_FILES = (
 SLOW_FOLDERS = ("reliability",)
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
