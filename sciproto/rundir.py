@@ -6,6 +6,7 @@
         reward.png          reward and policy lag against the step
         rollouts.jsonl      the rollouts trained on
         summary.json        what the run did (`sciproto train`)
+        task_stats.json     per-task outcome statistics, a snapshot per step a checkpoint may need
         checkpoints/step_<step:08d>/
             model.safetensors   full weights, named as in the model's state dict
             trainer_state.pt    optimizer state, step, policy version, RNG states
@@ -38,6 +39,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward.png"
 ROLLOUTS_FILE = "rollouts.jsonl"
 SUMMARY_FILE = "summary.json"
+TASK_STATS_FILE = "task_stats.json"
 CONFIG_FILE = "config.yaml"
 
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -111,6 +113,7 @@ __all__ = [
     "ROLLOUTS_FILE",
     "STAGING_SUFFIX",
     "SUMMARY_FILE",
+    "TASK_STATS_FILE",
     "TRAINER_STATE_FILE",
     "WEIGHTS_FILE",
     "checkpoint_dir",

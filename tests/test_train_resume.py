@@ -33,6 +33,12 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
 
 
+def task_stats(run_dir: Path, step: int) -> dict:
+    """The per-task statistics snapshot of `step` (clients.train.task_stats)."""
+    snapshots = json.loads((run_dir / "task_stats.json").read_text())["snapshots"]
+    return next(s["tasks"] for s in snapshots if s["step"] == step)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_rerun_resumes_with_new_groups_only_and_stops_at_the_step_budget(tmp_path: Path) -> None:
@@ -41,12 +47,21 @@ def test_rerun_resumes_with_new_groups_only_and_stops_at_the_step_budget(tmp_pat
     assert first["run_dir"] == str(run_dir)
     assert [s["step"] for s in first["steps"]] == [1, 2]
     assert checkpoint_steps(run_dir) == [2], "max_steps=2 trains exactly 2 steps"
+    # Every group generated has one fate or is pending, and counts once in its task's statistics,
+    # whose snapshot for the checkpoint's step is what the run ended with.
+    assert sum(first["groups_settled"].values()) + first["groups_pending"] == first["groups_generated"]
+    at_2 = task_stats(run_dir, 2)
+    assert sum(t["groups"] for t in at_2.values()) == first["task_stats"]["groups"] == first["groups_generated"]
 
     second = train(tmp_path, "r", "--set", "budget.max_steps=4")
     assert second["run_dir"] == str(run_dir), "a rerun continues the run that holds a checkpoint"
     assert [s["step"] for s in second["steps"]] == [3, 4]
     assert "duplicate" not in second["groups_refused"], second["groups_refused"]
     assert checkpoint_steps(run_dir) == [2, 4], "the budget is exact: no fifth step"
+    # The rerun restored step 2's statistics exactly and added its own groups to them.
+    at_4 = task_stats(run_dir, 4)
+    assert second["task_stats"]["groups"] == first["groups_generated"] + second["groups_generated"]
+    assert all(at_4[task]["groups"] >= record["groups"] for task, record in at_2.items())
     metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics == [1, 2, 3, 4]
     state = json.loads((run_dir / "checkpoints" / "step_00000004" / "learner_state.json").read_text())

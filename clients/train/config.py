@@ -17,6 +17,7 @@ from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
 from clients.train.cluster import ClusterSettings
 from clients.train.phases import Phase, check_phases
+from clients.train.task_stats import TaskFilter
 from env_servers.catalog import check_name, import_modules
 from env_servers.config import EnvServerConfig
 from learner.server_config import LearnerServerConfig
@@ -139,6 +140,13 @@ class RolloutSettings(EpisodeSettings):
         description=(
             "More per-episode env options sent with every Reset (notebook: action: code, cell_reward: 0.1);"
             " the environment checks them"
+        ),
+    )
+    task_filter: TaskFilter = Field(
+        default_factory=TaskFilter,
+        description=(
+            "Pass over tasks whose recent groups all gave no signal, revisiting them now and then"
+            " (clients.train.task_stats; counts in summary.json's task_stats)"
         ),
     )
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once")

@@ -51,6 +51,7 @@ class RunStatus:
     # Phases (clients.train.phases): "sft" while demonstrations train, with the last step's loss.
     phase: str = ""
     sft_loss: float | None = None
+    tasks_set_aside: int = 0  # tasks passed over for now (clients.train.task_stats)
 
     def tokens_per_s(self, now: float) -> float:
         since = self.started if self.generating_since is None else self.generating_since
@@ -150,6 +151,8 @@ class Progress:
             }
         else:
             postfix["waiting_first_step"] = f"{now - status.started:.0f}s"
+        if status.tasks_set_aside:
+            postfix["set_aside"] = status.tasks_set_aside
         if status.forks_opened is not None:
             postfix["forks_open"] = status.forks_opened - status.forks_closed
         if self.max_seconds is not None:  # the step bar's own estimate knows only the step budget

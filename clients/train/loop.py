@@ -38,6 +38,7 @@ from clients.train.flow import Flow, GroupLedger
 from clients.train.producers import GroupSink, Production, open_tasks, produce
 from clients.train.records import StepRecord, TrainOutcome
 from clients.train.stream import LearnerStream
+from clients.train.task_stats import TaskStats, save_task_stats
 from sciproto.errors import from_rpc_error
 from sciproto.rundir import ROLLOUTS_FILE
 
@@ -76,7 +77,14 @@ async def run_rollouts_into_learner(
     outcome = TrainOutcome(run_dir=str(run_dir))
     learner = LearnerStream(learner_target, ledger, status, rollout.learner_reconnect_s)
     started = time.monotonic()
-    events = LearnerEvents(config.budget, flow, ledger, status, outcome, learner, stop, started, on_step)
+    stats_holder: list[TaskStats] = []  # the task stream's statistics, once the tasks are open
+
+    def stepped(record: StepRecord, outcome: TrainOutcome) -> None:
+        if stats_holder:
+            save_task_stats(stats_holder[0], run_dir, record.step, config.learner.checkpoint_every)
+        on_step(record, outcome)
+
+    events = LearnerEvents(config.budget, flow, ledger, status, outcome, learner, stop, started, stepped)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     env_targets = [env_target] if isinstance(env_target, str) else list(env_target)
@@ -88,12 +96,13 @@ async def run_rollouts_into_learner(
                 policy_pool(policy_targets, **moves.get("policy", {})) as policy):
         # 1. Tasks.
         tasks = await open_tasks(rollout, env, run_dir, flow, status)
+        stats_holder.append(tasks.stats)
         with (
             (run_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as rollouts_file,
             (run_dir / "rollouts.failures.jsonl").open("w", encoding="utf-8") as failures_file,
         ):
             # 2. Groups.
-            sink = GroupSink(rollout, learner, flow, status, outcome, rollouts_file, failures_file)
+            sink = GroupSink(rollout, learner, flow, status, outcome, rollouts_file, failures_file, tasks.stats)
             production = Production(
                 config, env, policy, lambda: servers.targets("policy") if servers is not None else policy_targets,
                 tasks, sink, ledger, run_dir, started)
@@ -114,6 +123,9 @@ async def run_rollouts_into_learner(
                 outcome.stopped_by = outcome.stopped_by or "interrupted"
                 await _cancel(workers)
                 events.settle()
+                outcome.task_stats = tasks.stats.summary()
+                if status.step:  # the learner's final checkpoint is of this step (or the one in flight)
+                    save_task_stats(tasks.stats, run_dir, status.step, config.learner.checkpoint_every)
     return outcome
 
 

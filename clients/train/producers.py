@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +36,7 @@ from clients.train.phases import sft_groups
 from clients.train.records import StepGroupTally, TrainOutcome, group_to_pb, with_epoch
 from clients.train.resume import resume_point, trained_group_ids
 from clients.train.stream import LearnerStream
+from clients.train.task_stats import TaskStats, restore_task_stats
 from gateway.local import LocalGateway
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.config import ConfigError
@@ -50,7 +52,9 @@ AGENT_FAILED_GROUPS_BEFORE_STOP = 2
 class TaskStream:
     """The tasks of the split (or the curriculum's tasks of it), cycled; each pass is an epoch, and a
     resumed run starts after the groups its learner trained. A task is admitted only when the flow
-    has room for another group."""
+    has room for another group. A task set aside (clients.train.task_stats) is passed over, except
+    with probability rollout.task_filter.revisit_prob; after a whole cycle passed over the next one
+    is revisited anyway, so refilling never waits on the filter."""
 
     env_name: str
     split: str
@@ -60,15 +64,36 @@ class TaskStream:
     epochs: dict[TaskKey, int]
     flow: Flow
     status: RunStatus
+    stats: TaskStats = field(default_factory=TaskStats)
+    chance: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def task_at(self, number: int) -> TaskKey:
+        if self.chosen is not None:
+            return TaskKey(self.env_name, self.split, self.chosen[number % len(self.chosen)])
+        return TaskKey(self.env_name, self.split, number if self.size is None else number % self.size)
+
+    def passes_over(self, task: TaskKey, passed: int) -> bool:
+        """Whether to skip `task` now, `passed` tasks having been skipped in a row."""
+        if self.stats.set_aside(task) is None:
+            return False
+        cycle = len(self.chosen) if self.chosen is not None else self.size
+        if (cycle is not None and passed >= cycle) or self.chance.random() < self.stats.settings.revisit_prob:
+            self.stats.revisited += 1
+            return False
+        self.stats.passed_over += 1
+        return True
 
     async def stream(self) -> AsyncIterator[TaskKey]:
+        passed = 0  # set-aside tasks skipped in a row
         for number in itertools.count(self.start):
+            task = self.task_at(number)
+            if self.passes_over(task, passed):
+                passed += 1
+                continue
+            passed = 0
             await self.flow.admit()
             self.status.groups_generating = self.flow.in_flight
-            if self.chosen is not None:
-                yield TaskKey(self.env_name, self.split, self.chosen[number % len(self.chosen)])
-            else:
-                yield TaskKey(self.env_name, self.split, number if self.size is None else number % self.size)
+            yield task
 
     def next_epoch(self, task: TaskKey) -> int:
         epoch = self.epochs.get(task, 0)
@@ -86,11 +111,18 @@ async def open_tasks(rollout: RolloutSettings, env: EnvPool, run_dir: Path, flow
         if mode == env_pb2.FORK_MODE_UNSUPPORTED:
             raise ConfigError(f"rollout.grouping step forks episodes, and environment {env_name!r} cannot fork"
                               " (Describe: fork unsupported); use grouping trajectory")
-    chosen = read_curriculum(rollout.curriculum).indices if rollout.curriculum else None
+    curriculum = read_curriculum(rollout.curriculum) if rollout.curriculum else None
     point = resume_point(trained_group_ids(run_dir), env_name, split, size)
     if point.trained:
         log.info("resuming after %d trained groups of %s:%s", point.trained, env_name, split)
-    return TaskStream(env_name, split, size, chosen, point.start, point.epochs, flow, status)
+    stats = TaskStats(rollout.task_filter)
+    if (step := restore_task_stats(stats, run_dir)) is not None:
+        log.info("task statistics of step %d restored: %d tasks", step, len(stats.tasks))
+    elif curriculum is not None and not point.trained:
+        stats.seed(curriculum)
+    status.tasks_set_aside = stats.summary()["set_aside"]
+    return TaskStream(env_name, split, size, curriculum.indices if curriculum else None, point.start, point.epochs,
+                      flow, status, stats, random.Random(point.start))
 
 
 @dataclass
@@ -105,10 +137,15 @@ class GroupSink:
     outcome: TrainOutcome
     rollouts_file: IO[str]
     failures_file: IO[str]
+    stats: TaskStats | None = None
 
     def send(self, group: RolloutGroup, epoch: int) -> None:
-        """Write a finished group's records and send it to the learner (in the ledger)."""
+        """Write a finished group's records, count its outcome for its task and send it to the
+        learner (in the ledger)."""
         group_id, records = with_epoch(group, epoch)
+        if self.stats is not None:
+            self.stats.record(group)
+            self.status.tasks_set_aside = self.stats.summary()["set_aside"]
         for record in records:
             sink = self.failures_file if record.status is RolloutStatus.INFRA_ERROR else self.rollouts_file
             sink.write(record.to_json_line(self.rollout.rollouts_file))

@@ -117,6 +117,9 @@ class TrainOutcome(BaseModel):
     # rollout.grouping step: forks_opened, forks_closed, step_groups, step_group_reward_std (mean
     # over groups), prompt_tokens_per_turn_mean / _max (every Generate), tasks_failed.
     step_groups: dict[str, float] = {}
+    # Per-task statistics (clients.train.task_stats.TaskStats.summary): tasks seen, groups, tasks set
+    # aside at the end (all, solved, unsolved), turns of set-aside tasks passed over and revisited.
+    task_stats: dict[str, int] = {}
     # Every fate the client recorded per group id (one each); not written to summary.json.
     group_fates: dict[str, list[str]] = Field(default_factory=dict, exclude=True)
     completion_tokens: int = 0

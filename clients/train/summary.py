@@ -82,6 +82,12 @@ def finish_outputs(outcome: TrainOutcome, run_dir: Path) -> None:
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def set_aside_row(outcome: TrainOutcome) -> str:
+    counts = outcome.task_stats
+    return (f"{counts['set_aside']} ({counts['set_aside_solved']} / {counts['set_aside_unsolved']}) /"
+            f" {counts['passed_over']} / {counts['revisited']}")
+
+
 def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None:
     table = Table(title=f"sciproto train: {outcome.run_dir}")
     table.add_column("figure")
@@ -112,6 +118,8 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         *([("step groups / forks opened / closed", " / ".join(
             f"{outcome.step_groups[key]:.0f}" for key in ("step_groups", "forks_opened", "forks_closed")))]
           if outcome.step_groups else []),
+        *([("tasks set aside (solved / unsolved) / turns passed over / revisited", set_aside_row(outcome))]
+          if outcome.task_stats else []),
         ("stopped by", outcome.stopped_by),
         ("checkpoint", outcome.checkpoint or "-"),
         ("metrics", outcome.metrics),

@@ -1,0 +1,212 @@
+"""Per-task outcome statistics of a training run, and the rule that sets tasks aside.
+
+As each group finishes (`GroupSink.send`), its task's record counts the group, its samples, the
+samples that scored the full reward (`solved`, reward >= 1) and those above their group's mean
+reward (`above`, the ones GRPO pushes up), and keeps the last few groups' outcomes:
+
+| outcome    | the group's scored samples                               |
+|------------|----------------------------------------------------------|
+| `mixed`    | rewards differ: the group teaches                         |
+| `solved`   | every one the full reward (1)                             |
+| `unsolved` | every one reward 0 (or below)                             |
+| `equal`    | all the same other reward                                 |
+| `unscored` | fewer than two scored: nothing known                      |
+
+A task whose last `rollout.task_filter.window` groups were all `solved`, `unsolved` or `equal`
+(no signal: the learner refuses such groups) is *set aside*: the task stream passes over it,
+except with probability `revisit_prob`, when it is generated again (a policy that changed may
+now get it partly right; a `mixed` group brings it back). When a whole cycle of tasks is set
+aside the stream revisits the next one rather than wait (`TaskStream`).
+
+The statistics are persisted in the run directory (`sciproto.rundir.TASK_STATS_FILE`): a
+snapshot after every optimizer step the client hears of and at the run's end, keeping those a
+checkpoint may need (steps at `learner.checkpoint_every`, at or after the latest complete
+checkpoint, and the newest). A resumed run restores the snapshot of its checkpoint's step (the
+newest at or before it). A fresh run with a curriculum file is seeded from its pass rates: each
+listed task counts the measured samples as one group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from clients.curriculum import Curriculum
+from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
+from sciproto.rundir import TASK_STATS_FILE, checkpoint_step, latest_checkpoint
+
+SCHEMA = "sciproto.task_stats/1"
+NO_SIGNAL = frozenset({"solved", "unsolved", "equal"})
+RECENT_KEPT = 4  # group outcomes kept per task (at least the filter's window)
+
+
+class TaskFilter(BaseModel):
+    """rollout.task_filter: which tasks the rollout client passes over."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True,
+        description=(
+            "Set aside tasks whose last `window` groups all gave no signal (every sample solved, or none):"
+            " the learner would refuse their groups, so generating them is wasted"
+        ),
+    )
+    window: int = Field(2, ge=1, description="Recent groups of a task judged: all without signal sets it aside")
+    revisit_prob: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Probability a set-aside task is generated again when its turn comes (it may have changed)",
+    )
+
+
+def group_outcome(group: RolloutGroup) -> tuple[str, int, int, int]:
+    """(outcome, scored samples, solved, above the group's mean) of a finished group."""
+    rewards = list({(r.sample, r.episode or r.rollout_id): r.reward for r in group.rollouts
+                    if r.status is RolloutStatus.SCORED}.values())
+    if len(rewards) < 2:
+        return "unscored", len(rewards), sum(r >= 1.0 for r in rewards), 0
+    solved = sum(r >= 1.0 for r in rewards)
+    mean = sum(rewards) / len(rewards)
+    above = sum(r > mean for r in rewards)
+    if max(rewards) != min(rewards):
+        return "mixed", len(rewards), solved, above
+    outcome = "solved" if rewards[0] >= 1.0 else "unsolved" if rewards[0] <= 0.0 else "equal"
+    return outcome, len(rewards), solved, above
+
+
+@dataclass
+class TaskRecord:
+    """One task's outcomes so far."""
+
+    groups: int = 0
+    samples: int = 0  # scored samples
+    solved: int = 0  # scored the full reward
+    above: int = 0  # above their group's mean reward
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_KEPT))
+
+    def add(self, outcome: str, samples: int, solved: int, above: int) -> None:
+        self.groups += 1
+        self.samples += samples
+        self.solved += solved
+        self.above += above
+        self.recent.append(outcome)
+
+    def no_signal(self, window: int) -> str | None:
+        """'solved' / 'unsolved' / 'equal' when each of the last `window` groups had no signal
+        (the latest's outcome names it); None otherwise."""
+        last = list(self.recent)[-window:]
+        if len(last) < window or not all(o in NO_SIGNAL for o in last):
+            return None
+        return last[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"groups": self.groups, "samples": self.samples, "solved": self.solved, "above": self.above,
+                "recent": list(self.recent)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskRecord:
+        record = cls(int(data["groups"]), int(data["samples"]), int(data["solved"]), int(data["above"]))
+        record.recent.extend(data["recent"])
+        return record
+
+
+@dataclass
+class TaskStats:
+    """Every task's record, and how the task stream used them."""
+
+    settings: TaskFilter = field(default_factory=TaskFilter)
+    tasks: dict[str, TaskRecord] = field(default_factory=dict)  # by TaskKey.group_id
+    passed_over: int = 0  # turns of a set-aside task skipped
+    revisited: int = 0  # turns of a set-aside task generated anyway
+
+    def record(self, group: RolloutGroup) -> None:
+        self.tasks.setdefault(group.task.group_id, TaskRecord()).add(*group_outcome(group))
+
+    def set_aside(self, task: TaskKey) -> str | None:
+        """Why `task` is set aside ('solved', 'unsolved', 'equal'), or None when it is not."""
+        if not self.settings.enabled:
+            return None
+        record = self.tasks.get(task.group_id)
+        return record.no_signal(self.settings.window) if record is not None else None
+
+    def summary(self) -> dict[str, int]:
+        """The counts summary.json and the live line show."""
+        reasons = [r.no_signal(self.settings.window) for r in self.tasks.values()] if self.settings.enabled else []
+        return {
+            "tasks": len(self.tasks),
+            "groups": sum(r.groups for r in self.tasks.values()),
+            "set_aside": sum(r is not None for r in reasons),
+            "set_aside_solved": reasons.count("solved"),
+            "set_aside_unsolved": reasons.count("unsolved"),
+            "passed_over": self.passed_over,
+            "revisited": self.revisited,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"tasks": {task: r.to_json() for task, r in self.tasks.items()},
+                "passed_over": self.passed_over, "revisited": self.revisited}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.tasks = {task: TaskRecord.from_json(r) for task, r in snapshot["tasks"].items()}
+        self.passed_over = int(snapshot.get("passed_over", 0))
+        self.revisited = int(snapshot.get("revisited", 0))
+
+    def seed(self, curriculum: Curriculum) -> None:
+        """A fresh run's records from a curriculum's measured pass rates (one group per task)."""
+        samples = curriculum.samples or 0
+        for index, rate in curriculum.pass_rates.items():
+            solved = round(rate * samples)
+            outcome = "solved" if rate >= 1.0 else "unsolved" if rate <= 0.0 else "mixed"
+            key = TaskKey(curriculum.env, curriculum.split, int(index)).group_id
+            self.tasks.setdefault(key, TaskRecord()).add(outcome, samples, solved, 0)
+
+
+def _read(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / TASK_STATS_FILE
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text(encoding="utf-8")).get("snapshots", []))
+
+
+def save_task_stats(stats: TaskStats, run_dir: Path, step: int, checkpoint_every: int) -> None:
+    """Write the snapshot of optimizer step `step` (replacing one of the same step), keeping the
+    snapshots a resume may still need (the newest at or before the latest complete checkpoint,
+    and later ones at checkpoint steps); atomically (a temporary file renamed into place)."""
+    latest = latest_checkpoint(run_dir)
+    floor = (checkpoint_step(latest) or 0) if latest is not None else 0
+    earlier = [s for s in _read(run_dir) if s["step"] != step]
+    resumable = max((s for s in earlier if s["step"] <= floor), key=lambda s: s["step"], default=None)
+    kept = [s for s in earlier if s is resumable
+            or (s["step"] > floor and checkpoint_every and s["step"] % checkpoint_every == 0)]
+    snapshots = sorted([*kept, {"step": step, **stats.snapshot()}], key=lambda s: s["step"])
+    path = run_dir / TASK_STATS_FILE
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps({"schema": SCHEMA, "snapshots": snapshots}) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+
+
+def restore_task_stats(stats: TaskStats, run_dir: Path) -> int | None:
+    """Restore the snapshot of the latest complete checkpoint's step (the newest at or before it);
+    the step restored, or None when there is no checkpoint or no snapshot for it."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    step = checkpoint_step(latest) or 0
+    usable = [s for s in _read(run_dir) if s["step"] <= step]
+    if not usable:
+        return None
+    chosen = max(usable, key=lambda s: s["step"])
+    stats.restore(chosen)
+    return int(chosen["step"])
+
+
+__all__ = ["SCHEMA", "TaskFilter", "TaskRecord", "TaskStats", "group_outcome", "restore_task_stats",
+           "save_task_stats"]
