@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sys
 from collections.abc import Sequence
-from types import ModuleType
-
-import torch
 
 from policy_server.backends.base import PolicyBackend
+from policy_server.backends.registry import backend_plugin
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, PromptTokenizer, register
 from policy_server.tokenizing import longest_token_chars
@@ -32,57 +29,32 @@ log = logging.getLogger("policy_server")
 SECTION = "policy"  # in a config file shared by every component, the policy server reads this section
 
 
-def _optional_backend(name: str) -> ModuleType:
-    """The module of a backend other than `transformers`: these pull in heavy optional packages, so
-    each is imported only when chosen. Each offers `build_backend(config: PolicyServerConfig) ->
-    PolicyBackend` whose backend also has `prompt_token_ids(request) -> list[int]`."""
-    if name == "vllm":
-        from policy_server.backends import vllm_backend
-
-        return vllm_backend
-    if name == "openai":
-        from policy_server.backends import openai_backend
-
-        return openai_backend
-    raise ConfigError(f"unknown backend {name!r}: use transformers, vllm or openai")
-
-
 def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> PolicyServerConfig:
     """A policy config file, or the `policy:` section of a file that configures several components."""
     return load_component_config(PolicyServerConfig, config, overrides, SECTION)
 
 
 def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptTokenizer]:
-    """The configured backend, and how its prompts are turned into token ids."""
-    if config.backend == "transformers":
-        from policy_server.backends.transformers_backend import TransformersBackend
-        from policy_server.prompts import prompt_token_ids
-        from sciproto.models import load_model
-
-        options = config.transformers
-        loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
-        backend = TransformersBackend(loaded, batch_window_s=options.batch_window_s,
-                                      max_batch_rows=options.max_batch_rows, stream_interval=options.stream_interval,
-                                      collective=config.weights.collective)
-        tokenize = functools.partial(prompt_token_ids, loaded.tokenizer, stop_token_ids=loaded.stop_token_ids)
-        tokenize.tokenizer = loaded.tokenizer  # type: ignore[attr-defined]  # read by `start` for its length bound
-        return backend, tokenize
+    """The configured backend (its plug-in's factory, policy_server.backends.registry), and how its
+    prompts are turned into token ids."""
+    plugin = backend_plugin(config.backend)
     try:
-        module = _optional_backend(config.backend)
+        factory = plugin.load()
     except ImportError as error:
         raise ConfigError(f"backend {config.backend!r} is not available here ({error}); install the "
                           f"sciproto[{config.backend}] extra or use backend=transformers") from error
-    backend = module.build_backend(config)
-    return backend, backend.prompt_token_ids
+    backend = factory(config)
+    return backend, backend.prompt_token_ids  # type: ignore[attr-defined]
 
 
 async def start(config: PolicyServerConfig, authenticator: Authenticator | None) -> RunningServer:
     """Load the model and start serving it; returns at once (the caller stops the server).
     `serve` waits for a signal around it; a cluster engine's actor calls it directly."""
     backend, tokenize = build_backend(config)
-    tokenizer = getattr(tokenize, "tokenizer", None) or getattr(backend, "_tokenizer", None)
+    tokenizer = backend.tokenizer  # type: ignore[attr-defined]  # None where the prompt is rendered elsewhere
     servicer = PolicyServicer(backend, tokenize, config,
-                              longest_token_chars(tokenizer) if tokenizer is not None else None)
+                              longest_token_chars(tokenizer) if tokenizer is not None else None,
+                              capabilities=backend_plugin(config.backend).capabilities)
     service = Service(POLICY_SERVICE, servicer, register)
     running = await start_server(config.server, [service], interceptors=server_interceptors(config.tracing),
                                  auth=authenticator)

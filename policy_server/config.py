@@ -6,22 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policy_server.backends.options import OpenAIOptions, VllmSettings
+from policy_server.backends.options import OpenAIOptions, TransformersOptions, VllmSettings
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
 from sciproto.weights.rendezvous import CollectiveRendezvous
-
-
-class TransformersOptions(BaseModel):
-    """Settings of the `transformers` backend (dynamic batching over one in-process model)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_window_s: float = Field(0.005, ge=0, description="How long an idle engine waits to batch arrivals")
-    max_batch_rows: int = Field(256, ge=1, description="Most samples decoded together")
-    stream_interval: int = Field(8, ge=1, description="Tokens a sample gathers before a delta goes out")
-    device: str = Field("cpu", description='Torch device of the model, e.g. "cpu" or "cuda:0"')
 
 
 class WeightUpdateOptions(BaseModel):

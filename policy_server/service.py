@@ -15,9 +15,10 @@ or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, w
 hint) rather than queued, so a sender learns immediately that two writers target this server.
 A header with transport COLLECTIVE carries no data chunks: the tensors come over the learner's
 collective group and the backend's `receive_weights_collective` takes them (vLLM: NCCL on a GPU,
-gloo on the CPU; transformers: the gloo group of `sciproto.weights.group`). A backend of its own
-may still name it `receive_weights_nccl` and its capability `weight_updates_nccl`, the names
-before protocol 1.3, for a release.
+gloo on the CPU; transformers: the gloo group of `sciproto.weights.group`), where its plug-in
+declares the capability (policy_server.backends.registry). A backend handed to PolicyServicer
+without a plug-in may still name it `receive_weights_nccl` and its capability
+`weight_updates_nccl`, the names before protocol 1.3, for a release.
 
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
@@ -38,9 +39,10 @@ from opentelemetry.trace import Span
 
 from policy_server import convert
 from policy_server.backends.base import PolicyBackend
+from policy_server.backends.registry import Capability
 from policy_server.config import PolicyServerConfig
 from policy_server.tokenizing import PromptTooLong, Tokenizing
-from policy_server.types import GenerationRequest, SampleResult, TokenDelta
+from policy_server.types import BackendInfo, GenerationRequest, SampleResult, TokenDelta
 from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -76,8 +78,12 @@ NCCL_CAPABILITY = "weight_updates_nccl"  # its name before protocol 1.3 (depreca
 
 class PolicyServicer(policy_grpc.PolicyServiceServicer):
     def __init__(self, backend: PolicyBackend, tokenize: PromptTokenizer, config: PolicyServerConfig,
-                 longest_token_chars: int | None = None) -> None:
+                 longest_token_chars: int | None = None,
+                 capabilities: frozenset[Capability] | None = None) -> None:
         self._backend = backend
+        # What the backend's plug-in declares (policy_server.backends.registry); None for a backend
+        # handed over directly, whose collective receiver is then looked up by name.
+        self._declared = capabilities
         # Long prompts are tokenized off the event loop, and one that cannot fit is refused before
         # tokenizing (policy_server.tokenizing).
         self._tokenize = Tokenizing(tokenize, lambda: self._backend.info().max_context, longest_token_chars)
@@ -166,7 +172,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
 
     async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
                             context: grpc.aio.ServicerContext) -> policy_pb2.UpdateWeightsResponse:
-        if not self._backend.info().supports_weight_updates:
+        declared = self._declared is None or Capability.WEIGHT_UPDATES in self._declared
+        if not (declared and self._backend.info().supports_weight_updates):
             raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
                                 Reason.UNSUPPORTED)
         first = await self._next_message(request_iterator)
@@ -221,9 +228,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         checks them against the header's digests where their bytes reach its CPU (gloo), and
         says whether it did."""
         info = self._backend.info()
-        receive = (getattr(self._backend, "receive_weights_collective", None)
-                   or getattr(self._backend, "receive_weights_nccl", None))  # the name before 1.3
-        if receive is None or not {COLLECTIVE_CAPABILITY, NCCL_CAPABILITY} & set(info.capabilities):
+        receive = self._collective_receiver(info)
+        if receive is None:
             raise Unimplemented(f"this {info.backend} server takes no collective weight transfer (configure "
                                 "weights.collective); send transport "
                                 "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
@@ -236,6 +242,19 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._weights_run_id = header.provenance.run_id
         self._serving_digests = digest if checked else DigestCheck(None)
         return self._update_response(header.total_bytes, time.perf_counter() - start, running_before)
+
+    def _collective_receiver(self, info: BackendInfo) -> Callable[..., Awaitable[bool]] | None:
+        """The backend's receiver of collective-transport updates, when it takes them now: its
+        plug-in declares it, and its info reports the capability (a transformers server only with
+        weights.collective configured)."""
+        if not {COLLECTIVE_CAPABILITY, NCCL_CAPABILITY} & set(info.capabilities):
+            return None
+        if self._declared is not None:
+            if Capability.COLLECTIVE_WEIGHTS not in self._declared:
+                return None
+            return self._backend.receive_weights_collective  # type: ignore[attr-defined]
+        return (getattr(self._backend, "receive_weights_collective", None)
+                or getattr(self._backend, "receive_weights_nccl", None))  # the name before 1.3
 
     async def _run_update(self, version: int, update: Awaitable[object]) -> object:
         """Await the backend's update; map its failure to the status the sender must see, and keep

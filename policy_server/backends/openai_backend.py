@@ -93,6 +93,11 @@ class OpenAIBackend:
                            max_context=self._options.max_context, policy_version=0,
                            capabilities=capabilities, supports_weight_updates=False)
 
+    @property
+    def tokenizer(self) -> None:
+        """None: the endpoint renders chat prompts with its own tokenizer."""
+        return None
+
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         """Token prompts pass through; chat prompts are rendered by the endpoint, whose ids this
         backend does not know before sampling."""

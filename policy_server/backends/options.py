@@ -1,5 +1,5 @@
-"""The settings of the optional policy backends: the `vllm:` and `openai:` sections of a policy
-server config. Plain pydantic models that import neither vLLM nor torch, so the configuration
+"""The settings of the policy backends: the `transformers:`, `vllm:` and `openai:` sections of a
+policy server config. Plain pydantic models that import neither vLLM nor torch, so the configuration
 (`PolicyServerConfig`) validates and documents them wherever it is loaded; each backend module
 builds from them (`policy_server.backends.vllm_backend.VllmOptions` adds the engine's keywords).
 """
@@ -11,6 +11,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sciproto.units import GiB
+
+
+class TransformersOptions(BaseModel):
+    """Settings of the `transformers` backend (dynamic batching over one in-process model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_window_s: float = Field(0.005, ge=0, description="How long an idle engine waits to batch arrivals")
+    max_batch_rows: int = Field(256, ge=1, description="Most samples decoded together")
+    stream_interval: int = Field(8, ge=1, description="Tokens a sample gathers before a delta goes out")
+    device: str = Field("cpu", description='Torch device of the model, e.g. "cpu" or "cuda:0"')
 
 
 class VllmSettings(BaseModel):
@@ -49,4 +60,4 @@ class OpenAIOptions(BaseModel):
     max_backoff_s: float = Field(10.0, ge=0, description="Longest wait between tries, Retry-After included")
 
 
-__all__ = ["OpenAIOptions", "VllmSettings"]
+__all__ = ["OpenAIOptions", "TransformersOptions", "VllmSettings"]

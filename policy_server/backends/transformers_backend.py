@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,10 +42,13 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
-from sciproto.models import LoadedModel
+from sciproto.models import LoadedModel, load_model
 from sciproto.weights.group import WeightGroup
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.wire import verify_tensor_digests
+
+if TYPE_CHECKING:
+    from policy_server.config import PolicyServerConfig
 
 
 @dataclass
@@ -158,6 +162,14 @@ class TransformersBackend:
             capabilities=list(BASE_CAPABILITIES) + (COLLECTIVE_CAPABILITIES if self._weight_group else []),
             supports_weight_updates=True,
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer prompts are rendered with."""
+        return self._tokenizer
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        return prompt_token_ids(self._tokenizer, request, self._stop_ids)
 
     async def generate(
         self, request: GenerationRequest
@@ -517,6 +529,15 @@ class TransformersBackend:
             job.loop.call_soon_threadsafe(_deliver, [(job.events, error)])
         self._rows, self._prefilling, self._waiting = [], [], []
         self._batch, self._next_tokens = None, None
+
+
+def build_backend(config: PolicyServerConfig) -> TransformersBackend:
+    """The `transformers` plug-in's factory (policy_server.backends.registry): the configured model,
+    loaded in-process, served from its `transformers:` section."""
+    options = config.transformers
+    loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
+    return TransformersBackend(loaded, batch_window_s=options.batch_window_s, max_batch_rows=options.max_batch_rows,
+                               stream_interval=options.stream_interval, collective=config.weights.collective)
 
 
 def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:

@@ -320,6 +320,11 @@ class VllmBackend:
             unavailable=self._unavailable,
         )
 
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer prompts are rendered with."""
+        return self._tokenizer
+
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         return prompt_token_ids(self._tokenizer, request, self._stop_token_ids)
 
