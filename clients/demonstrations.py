@@ -4,7 +4,7 @@ A reference agent plays each task of a split through a real env server: it asks 
 the task's reference actions (the `Reference` RPC; GSM8K answers one `calculator` call per
 `<<expression=result>>` annotation of the worked solution, then `submit_answer`), Steps them in
 order after Reset, and Verifies the episode. Each action is written as the policy would write it:
-the prompt tokens are made exactly as the policy server makes them (`policy_server.prompts`, the
+the prompt tokens are made exactly as the policy server makes them (`sciproto.prompts`, the
 first turn rendered whole, later turns extending the previous turn's ids), and the completion
 tokens are the model's chat template rendering of the assistant turn (its tool-call blocks and
 the end-of-turn token), so a model trained on them produces what the policy server parses back
@@ -24,9 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from policy_server import convert
-from policy_server.prompts import prompt_token_ids, render_chat
-from policy_server.types import GenerationRequest
+from sciproto.chat import GenerationRequest, chat_message, tool_spec
 from sciproto.client.env import EnvClient
 from sciproto.client.rollouts import (
     MessageRecord,
@@ -40,6 +38,7 @@ from sciproto.client.rollouts import (
 )
 from sciproto.models import load_model
 from sciproto.pb import common_pb2
+from sciproto.prompts import prompt_token_ids, render_chat
 
 __all__ = ["DemonstrationSummary", "TurnRenderer", "collect_demonstrations", "demonstrate", "main"]
 
@@ -60,8 +59,8 @@ class TurnRenderer:
                previous_token_ids: Sequence[int]) -> list[int]:
         """The prompt ids the policy server would make for this turn (as the agent sends it)."""
         request = GenerationRequest(
-            messages=[convert.chat_message(m, i) for i, m in enumerate(messages)],
-            tools=[convert.tool_spec(t, i) for i, t in enumerate(tools)],
+            messages=[chat_message(m, i) for i, m in enumerate(messages)],
+            tools=[tool_spec(t, i) for i, t in enumerate(tools)],
             previous_token_ids=list(previous_token_ids) or None)
         return prompt_token_ids(self.tokenizer, request, self.stop_token_ids)  # type: ignore[arg-type]
 
@@ -69,10 +68,10 @@ class TurnRenderer:
                    action: common_pb2.ChatMessage) -> list[int]:
         """The ids of `action` as the model would write it after `messages`: the template's text of
         the assistant turn up to and including its end-of-turn token."""
-        template_tools = [convert.tool_spec(t, i) for i, t in enumerate(tools)]
-        history = [convert.chat_message(m, i) for i, m in enumerate(messages)]
+        template_tools = [tool_spec(t, i) for i, t in enumerate(tools)]
+        history = [chat_message(m, i) for i, m in enumerate(messages)]
         before = render_chat(self.tokenizer, history, template_tools, add_generation_prompt=True)  # type: ignore[arg-type]
-        after = render_chat(self.tokenizer, [*history, convert.chat_message(action, len(history))],  # type: ignore[arg-type]
+        after = render_chat(self.tokenizer, [*history, chat_message(action, len(history))],  # type: ignore[arg-type]
                             template_tools, add_generation_prompt=False)
         if not after.startswith(before):
             raise ValueError("the chat template does not render an assistant turn after the generation prompt")

@@ -24,7 +24,7 @@ from typing import Any
 from clients.agent_process import Launch
 from gateway.chat import Choice
 from gateway.local import LocalGateway
-from policy_server.convert import tool_spec
+from sciproto.chat import tool_spec
 from sciproto.client.env import EnvClient
 from sciproto.client.rollouts import MessageRecord, RolloutGroup, TaskKey
 from sciproto.pb import common_pb2, env_pb2

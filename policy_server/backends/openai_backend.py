@@ -27,7 +27,6 @@ import httpx
 import torch
 
 from policy_server.backends.options import OpenAIOptions
-from policy_server.prompts import openai_function_tool
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -40,6 +39,7 @@ from policy_server.types import (
     VersionSpan,
 )
 from sciproto.config import ConfigError
+from sciproto.prompts import openai_function_tool
 
 _FINISH_REASONS = {
     "stop": FinishReason.STOP,

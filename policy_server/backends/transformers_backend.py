@@ -28,7 +28,6 @@ from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.base import COLLECTIVE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
 from policy_server.backends.sampling import sample_next_tokens
-from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -43,6 +42,7 @@ from policy_server.types import (
     validate_weight_update,
 )
 from sciproto.models import LoadedModel, load_model
+from sciproto.prompts import prompt_token_ids
 from sciproto.weights.group import WeightGroup
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.wire import verify_tensor_digests

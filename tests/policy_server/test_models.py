@@ -1,11 +1,11 @@
 import torch
 from gguf import GGUFReader
 
-from policy_server.prompts import render_chat
 from policy_server.types import ChatMessage, ToolCall
 from sciproto.models import load_model
 from sciproto.models.byte_tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
 from sciproto.models.smollm2 import smollm2_gguf_path
+from sciproto.prompts import render_chat
 
 TOOLS = [
     {

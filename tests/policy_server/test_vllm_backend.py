@@ -31,7 +31,6 @@ from policy_server.backends.vllm_backend import (
     version_spans,
 )
 from policy_server.config import PolicyServerConfig
-from policy_server.prompts import prompt_token_ids
 from policy_server.types import (
     ChatMessage,
     FinishReason,
@@ -42,6 +41,7 @@ from policy_server.types import (
     VersionSpan,
 )
 from sciproto.models import load_model, model_directory
+from sciproto.prompts import prompt_token_ids
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

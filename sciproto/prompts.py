@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from policy_server.types import ChatMessage, GenerationRequest
+from sciproto.chat import ChatMessage, GenerationRequest
 
 
 def prompt_token_ids(
