@@ -1,5 +1,9 @@
 """LearnerService: rollout groups in, optimizer steps out, new weights pushed to the policy servers.
 
+This module is the gRPC servicer, the group accounting and the optimizer loop; it delegates the
+reading of RolloutGroup messages to `learner.wire`, the learner state a checkpoint holds to
+`learner.learner_state`, and the push and reconcile of the policy servers to `learner.policy_sync`.
+
     TrainStep stream --> validate --> dedupe --> RolloutBuffer --> optimizer loop (background)
          ^                                        (staleness K)       take batch_groups groups
          |                                                            train_step (worker thread)
@@ -49,184 +53,38 @@ group exactly once through one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ValidationError
 
 from learner.buffer import RolloutBuffer
+from learner.learner_state import (
+    LEARNER_STATE_FILE,
+    LearnerState,
+    latest_learner_checkpoint,
+    read_learner_state,
+    write_learner_state,
+)
 from learner.metrics import MetricsLogger
-from learner.push_types import Serving, ServingDigestMismatch
+from learner.policy_sync import PolicySync
 from learner.ranks import Ranks, RanksFailed
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer, StepInterrupted, StepMetrics
-from learner.types import FinishReason, Objective, RewardStatus, RolloutGroup, TrainSample
-from learner.weight_push import WeightPusher, version_after_resume
+from learner.types import RolloutGroup
+from learner.weight_push import WeightPusher
+from learner.wire import InvalidGroup, group_from_pb, sample_from_pb
 from sciproto import pb
 from sciproto.errors import Internal, InvalidArgument, Reason, SciprotoError, to_status
-from sciproto.pb import common_pb2, learner_pb2, policy_pb2
-from sciproto.rundir import LEARNER_STATE_FILE, latest_checkpoint
-from sciproto.sampling import distribution_from_pb
+from sciproto.pb import learner_pb2
 from sciproto.server import server_info
 
 log = logging.getLogger(__name__)
 
 LOOP_STOP_TIMEOUT_S = 30.0  # how long aclose waits for a cancelled background task to end
-
-_STATUS_FROM_PB = {
-    common_pb2.REWARD_STATUS_SCORED: RewardStatus.SCORED,
-    common_pb2.REWARD_STATUS_UNSCORED: RewardStatus.UNSCORED,
-    common_pb2.REWARD_STATUS_UNSPECIFIED: RewardStatus.UNSCORED,  # the contract: read as UNSCORED
-    common_pb2.REWARD_STATUS_INFRA_ERROR: RewardStatus.INFRA_ERROR,
-}
-
-_FINISH_FROM_PB = {
-    policy_pb2.FINISH_REASON_UNSPECIFIED: FinishReason.UNSPECIFIED,
-    policy_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    policy_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    policy_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
-
-
-class InvalidGroup(ValueError):
-    """A RolloutGroup message that cannot be trained on; the message says what to fix."""
-
-
-def sample_from_pb(rollout: learner_pb2.Rollout, vocab_size: int, *, sft: bool = False) -> TrainSample:
-    """A proto Rollout as a TrainSample: version spans become one version per trained token
-    (a demonstration, `sft`, needs none: its uncovered trained tokens count as version 0)."""
-    n = len(rollout.token_ids)
-    if n and max(rollout.token_ids) >= vocab_size:
-        raise InvalidGroup(
-            f"sample {rollout.sample_index}: token id {max(rollout.token_ids)} is outside the "
-            f"model's vocabulary of {vocab_size}; send ids the policy server of this model produced"
-        )
-    versions = [-1] * n
-    for span in rollout.version_spans:
-        if not 0 <= span.start < span.end <= n:
-            raise InvalidGroup(
-                f"sample {rollout.sample_index}: version span [{span.start}, {span.end}) "
-                f"lies outside token_ids [0, {n})"
-            )
-        versions[span.start : span.end] = [span.policy_version] * (span.end - span.start)
-    uncovered = [i for i, m in enumerate(rollout.loss_mask) if m == 1 and i < n and versions[i] < 0]
-    if sft:
-        for i in uncovered:
-            versions[i] = 0
-    elif uncovered:
-        raise InvalidGroup(
-            f"sample {rollout.sample_index}: trained token {uncovered[0]} lies in no "
-            "version span; every token with loss_mask 1 needs the version that sampled it"
-        )
-    versions = [
-        v if i < len(rollout.loss_mask) and rollout.loss_mask[i] == 1 else -1
-        for i, v in enumerate(versions)
-    ]
-    try:
-        return TrainSample(
-            token_ids=list(rollout.token_ids),
-            loss_mask=list(rollout.loss_mask),
-            rollout_logprobs=list(rollout.rollout_logprobs),
-            policy_versions=versions,
-            reward=rollout.reward.value,
-            reward_status=_reward_status(rollout),
-            sample_index=rollout.sample_index,
-            episode=rollout.episode,
-            turn_finish_reasons=_finish_reasons(rollout),
-            step_rewards=list(rollout.step_rewards),
-            sampling_spans=_sampling_spans(rollout),
-        )
-    except ValidationError as error:
-        reasons = "; ".join(e["msg"] for e in error.errors())
-        raise InvalidGroup(f"sample {rollout.sample_index}: {reasons}") from None
-
-
-def _sampling_spans(rollout: learner_pb2.Rollout) -> list[tuple[int, int, float, float, int]]:
-    """Each span's distribution (sciproto.sampling: unset fields read as their defaults, a greedy
-    turn as untransformed); InvalidGroup names a span the learner cannot train under."""
-    spans = []
-    for number, span in enumerate(rollout.sampling_spans):
-        try:
-            distribution = distribution_from_pb(span.sampling)
-        except ValueError as error:
-            raise InvalidGroup(f"sample {rollout.sample_index}: sampling_spans[{number}]: {error}") from None
-        spans.append((span.start, span.end, *distribution))
-    return spans
-
-
-def _reward_status(rollout: learner_pb2.Rollout) -> RewardStatus:
-    status = _STATUS_FROM_PB.get(rollout.reward.status)
-    if status is None:  # an enum number from a newer contract, or garbage
-        raise InvalidGroup(
-            f"sample {rollout.sample_index}: reward.status {rollout.reward.status} is not a known "
-            "RewardStatus; use REWARD_STATUS_SCORED, _UNSCORED or _INFRA_ERROR"
-        )
-    return status
-
-
-def _finish_reasons(rollout: learner_pb2.Rollout) -> list[FinishReason]:
-    reasons = []
-    for turn, number in enumerate(rollout.turn_finish_reasons):
-        if number not in _FINISH_FROM_PB:  # a reason from a newer contract: it may mean a cut
-            raise InvalidGroup(
-                f"sample {rollout.sample_index}: turn_finish_reasons[{turn}] = {number} is not a "
-                "known FinishReason; use FINISH_REASON_STOP, _LENGTH, _ABORT or _UNSPECIFIED"
-            )
-        reasons.append(_FINISH_FROM_PB[number])
-    return reasons
-
-
-def group_from_pb(group: learner_pb2.RolloutGroup, vocab_size: int) -> RolloutGroup:
-    """A proto RolloutGroup as the trainer's RolloutGroup; InvalidGroup says what is wrong."""
-    if not group.group_id:
-        raise InvalidGroup("group_id is empty; every group needs a unique id")
-    if not group.rollouts:
-        raise InvalidGroup(f"group {group.group_id} has no rollouts")
-    objective = _OBJECTIVE_FROM_PB.get(group.objective)
-    if objective is None:
-        raise InvalidGroup(f"group {group.group_id}: objective {group.objective} is not a known TrainObjective;"
-                           " use TRAIN_OBJECTIVE_GRPO or TRAIN_OBJECTIVE_SFT")
-    sft = objective is Objective.SFT
-    samples = [sample_from_pb(rollout, vocab_size, sft=sft) for rollout in group.rollouts]
-    if sft and not any(s.num_trained_tokens and s.reward_status is not RewardStatus.INFRA_ERROR for s in samples):
-        raise InvalidGroup(f"sft group {group.group_id} has no trainable token: every sample is INFRA_ERROR"
-                           " or has loss_mask all 0; mark the demonstration's assistant tokens with loss_mask 1")
-    return RolloutGroup(group_id=group.group_id, task=group.task_id or group.env, samples=samples,
-                        objective=objective)
-
-
-_OBJECTIVE_FROM_PB = {
-    learner_pb2.TRAIN_OBJECTIVE_UNSPECIFIED: Objective.GRPO,
-    learner_pb2.TRAIN_OBJECTIVE_GRPO: Objective.GRPO,
-    learner_pb2.TRAIN_OBJECTIVE_SFT: Objective.SFT,
-}
-
-
-class LearnerState(BaseModel):
-    """What a checkpoint adds to the trainer state so a restart counts no group twice."""
-
-    trained_group_ids: list[str] = []
-    # Groups a step dropped as stale (named in its step result): a resend is refused as duplicate.
-    dropped_stale_group_ids: list[str] = []
-    # Bytes of metrics.jsonl up to this checkpoint's step; a resumed learner cuts the file there
-    # (None in checkpoints written before it was recorded: lines of later steps are dropped).
-    metrics_bytes: int | None = None
-    groups_received: int = 0
-    groups_dropped_stale: int = 0
-    groups_skipped_equal: int = 0
-    groups_duplicate: int = 0
-
-
-def latest_learner_checkpoint(run_dir: Path) -> Path | None:
-    """The highest-step checkpoint that holds both the trainer and the learner state."""
-    return latest_checkpoint(run_dir)
-
 
 class InjectedFault(RuntimeError):
     """A failure the config asked for (learner.faults), to exercise recovery."""
@@ -272,14 +130,10 @@ class LearnerServicer:
         self._failed_attempts: dict[str, int] = {}  # group id -> failed steps in a row
         self._step_attempts = 0
         self._step_settled = False
-        # Version every policy server should serve: that of the last push attempted.
-        self._published_version: int | None = None
-        # WeightsProvenance.set_digest of the weights of that push; empty while unknown
-        self._published_digest = b""
-        self._reconcile_now = asyncio.Event()
-        self._reconcile_task: asyncio.Task[None] | None = None
         self._since_step = {"refused_stale": 0, "skipped_equal": 0, "refused_invalid": 0}
         self._step_lock = asyncio.Lock()  # one of: a train step + push, or a checkpoint save
+        # The push and reconcile of the policy servers' weights (none without a pusher)
+        self.sync = None if pusher is None else PolicySync(config, trainer, self.ranks, pusher, self._step_lock)
         self._closing = False  # set by aclose: the optimizer loop takes no further batch
         self._step_running = False
         self._progress = asyncio.Condition()  # notified after every step and stream change
@@ -301,18 +155,8 @@ class LearnerServicer:
         if dropped:
             log.info("dropped %d metrics lines written after the checkpoint of step %d, whose "
                      "steps are trained again", dropped, self.trainer.step)
-        if self.pusher is not None:
-            serving = await self.pusher.serving_versions()
-            if resumed is not None or any(v != self.trainer.policy_version for v in serving):
-                self.trainer.policy_version = version_after_resume(
-                    self.trainer.policy_version, serving
-                )
-                try:
-                    await self._push()
-                except ServingDigestMismatch:
-                    pass  # logged; the reconcile loop pushes again
-            self._published_version = self.trainer.policy_version
-            self._reconcile_task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        if self.sync is not None:
+            await self.sync.start(resumed is not None)
         self._loop_task = asyncio.create_task(self._optimizer_loop(), name="optimizer loop")
 
     async def _resume(self) -> LearnerState | None:
@@ -321,7 +165,7 @@ class LearnerServicer:
         if path is None:
             return None
         await self.ranks.run("load_checkpoint", path)
-        state = LearnerState.model_validate_json((path / LEARNER_STATE_FILE).read_text())
+        state = read_learner_state(path)
         self.trained_group_ids = set(state.trained_group_ids)
         self.seen_group_ids = set(state.trained_group_ids)
         self.dropped_stale_group_ids = set(state.dropped_stale_group_ids)
@@ -374,7 +218,7 @@ class LearnerServicer:
                 )
                 return
         try:
-            for task in (self._loop_task, self._reconcile_task):
+            for task in (self._loop_task, self.sync and self.sync.reconcile_task):
                 if task is not None:
                     task.cancel()
                     _, running = await asyncio.wait({task}, timeout=LOOP_STOP_TIMEOUT_S)
@@ -473,12 +317,11 @@ class LearnerServicer:
         pushed, sync_s = False, 0.0
         if (
             metrics.trained
-            and self.pusher is not None
+            and self.sync is not None
             and self.trainer.step % config.push_every == 0
         ):
-            self._published_version = self.trainer.policy_version
             try:
-                sync_s = await self._push()
+                sync_s = await self.sync.push_step()
                 pushed = True
             except SciprotoError as error:
                 log.warning(
@@ -620,112 +463,11 @@ class LearnerServicer:
     # ------------------------------------------------------------------ policy versions
 
     async def retarget_policy(self, index: int, target: str) -> bool:
-        """Policy server `index` now listens at `target` (an engine restarted it elsewhere): push
-        there from now on, and reconcile at once so it gets the current weights. False when this
-        transport cannot move a target (its group is fixed at start)."""
-        retarget = getattr(self.pusher, "retarget", None)
-        if retarget is None:
-            return False
-        async with self._step_lock:
-            await retarget(index, target)
-            self.config.policy_targets[index] = target
-        log.warning("policy server %d moved to %s: reconciling its weights", index, target)
-        self._reconcile_now.set()
-        return True
+        """Policy server `index` now listens at `target`: push there from now on (PolicySync.retarget).
+        False when this transport cannot move a target, or there is no pusher."""
+        return self.sync is not None and await self.sync.retarget(index, target)
 
-    async def _reconcile_loop(self) -> None:
-        """Bring every policy server that is behind up to the last pushed version, on a timer
-        and whenever a group arrives stale."""
-        interval = self.config.reconcile_interval_s
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reconcile_now.wait(), interval)
-            self._reconcile_now.clear()
-            try:
-                await self._reconcile()
-            except Exception:  # a failed round is retried on the next tick
-                log.exception("reconciling the policy servers' versions failed")
-
-    def _out_of_step(self, servings: list[Serving | None]) -> tuple[list[int], list[int]]:
-        """The servers behind the published version, and those that serve other weights than
-        the published ones: a newer version (pushed from elsewhere), or the same version with
-        another digest."""
-        published, digest = self._published_version, self._published_digest
-        assert published is not None
-        behind = [i for i, s in enumerate(servings) if s is not None and s.policy_version < published]
-        other = [i for i, s in enumerate(servings) if s is not None and (
-            s.policy_version > published
-            or (s.policy_version == published and digest and s.weights_digest and s.weights_digest != digest))]
-        return behind, other
-
-    async def _reconcile(self) -> None:
-        pusher = self.pusher
-        if pusher is None or self._published_version is None:
-            return
-        if not hasattr(pusher, "serving_each"):
-            return  # this transport pushes to every server at once only
-        servings = await pusher.serving_each(timeout_s=min(10.0, self.config.push_timeout_s))
-        if not any(self._out_of_step(servings)):
-            return
-        async with self._step_lock:
-            # A step's own push may have finished while we waited for the lock: ask again.
-            servings = await pusher.serving_each(timeout_s=min(10.0, self.config.push_timeout_s))
-            behind, other = self._out_of_step(servings)
-            if not behind and not other:
-                return
-            version = self.trainer.policy_version
-            indices = behind
-            for i in other:
-                serving = servings[i]
-                assert serving is not None
-                log.error("policy server %s serves version %d with weights digest %s, not the %s pushed as "
-                          "version %d: it does not serve the weights the learner trained; pushing them again",
-                          self.config.policy_targets[i], serving.policy_version,
-                          serving.weights_digest.hex() or "(none)", self._published_digest.hex() or "(unknown)",
-                          self._published_version)
-            if other:
-                # versions only grow: the weights go again, as a version above any served, to every server
-                version = version_after_resume(version, [s.policy_version for s in servings if s is not None])
-                self.trainer.policy_version = version
-                indices = [i for i, s in enumerate(servings) if s is not None]
-            targets = [self.config.policy_targets[i] for i in indices]
-            log.warning(
-                "policy servers %s serve versions %s, not version %d: pushing version %d",
-                targets,
-                [servings[i].policy_version for i in indices],  # type: ignore[union-attr]
-                self._published_version,
-                version,
-            )
-            weights = await self.ranks.run("state_dict_for_push")
-            self._published_version = version
-            try:
-                result = await pusher.push_to(indices, weights, version)
-            except SciprotoError as error:
-                self._note_push_failure(error)
-                log.warning("re-push of version %d to %s failed (retried): %s", version, targets, error)
-                return
-            self._published_digest = result.set_digest
-            log.info("re-pushed version %d to %s in %.2f s", version, targets, result.seconds)
-
-    async def _push(self) -> float:
-        assert self.pusher is not None
-        weights = await self.ranks.run("state_dict_for_push")
-        try:
-            result = await self.pusher.push(weights, self.trainer.policy_version)
-        except SciprotoError as error:
-            self._note_push_failure(error)
-            raise
-        self._published_digest = result.set_digest
-        return result.seconds
-
-    def _note_push_failure(self, error: SciprotoError) -> None:
-        """What every server should serve after a failed push: the weights pushed, whose digest a
-        ServingDigestMismatch carries (a server that reports another is pushed again); unknown
-        after any other failure."""
-        pushed = error.metadata.get("pushed_digest", "") if isinstance(error, ServingDigestMismatch) else ""
-        self._published_digest = bytes.fromhex(pushed)
-        if pushed:
-            log.error("%s", error)
+    # ------------------------------------------------------------------ checkpoints
 
     async def _save_checkpoint_locked(self, root: Path) -> Path:
         """Write trainer and learner state; the caller holds the step lock."""
@@ -741,11 +483,7 @@ class LearnerServicer:
             groups_skipped_equal=counters.dropped_all_equal,
             groups_duplicate=self.groups_duplicate,
         )
-        staging = path / f"{LEARNER_STATE_FILE}.tmp"
-        staging.write_text(state.model_dump_json())
-        os.replace(
-            staging, path / LEARNER_STATE_FILE
-        )  # the checkpoint counts only once this exists
+        write_learner_state(path, state)  # the checkpoint counts only once this exists
         return path
 
     # ------------------------------------------------------------------ RPCs
@@ -894,7 +632,8 @@ class LearnerServicer:
             self.buffer.counters.dropped_stale += 1
             self._since_step["refused_stale"] += 1
             self._fate[group_id] = "stale"
-            self._reconcile_now.set()  # its policy server may be behind
+            if self.sync is not None:
+                self.sync.reconcile_now.set()  # its policy server may be behind
             return refused("stale")
         self._owner[group_id] = stream
         try:
@@ -922,3 +661,15 @@ def _as_sciproto(error: Exception) -> SciprotoError:
     if isinstance(error, SciprotoError):
         return error
     return Internal(f"optimizer step failed: {type(error).__name__}: {error}", Reason.INTERNAL)
+
+
+__all__ = [  # the wire conversion and the checkpoint state are named here for those that import them from here
+    "LEARNER_STATE_FILE",
+    "InjectedFault",
+    "InvalidGroup",
+    "LearnerServicer",
+    "LearnerState",
+    "group_from_pb",
+    "latest_learner_checkpoint",
+    "sample_from_pb",
+]
