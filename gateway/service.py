@@ -296,54 +296,50 @@ class Gateway:
     async def _respond(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
                        policy: PolicyClient) -> web.StreamResponse:
         """A Responses API answer: one sample, as output items; streamed as its typed events."""
-        events, prompt, reason = await self._start(call, plan, policy, session)
         response_id, created, with_tools = f"resp_{uuid.uuid4().hex}", now(), bool(call.tools)
-        try:
-            if call.stream:
-                response, sample = await stream_response(request, call, events, response_id, created,
-                                                               len(prompt.token_ids), with_tools)
-            else:
-                response = None
-                sample = None
-                async for event in events:
-                    if event.WhichOneof("event") == "sample":
-                        sample = event.sample
-        finally:
-            await events.aclose()
-        choice = Choice(0, sample, with_tools) if sample is not None else None
-        if session is not None and choice is not None:
-            session.record(call, plan, reason, list(prompt.token_ids), prompt.policy_version, [choice])
-        if response is not None:
-            return response
-        if choice is None:
-            raise ApiError(502, "the policy server ended Generate without its sample", type_="server_error")
-        return web.json_response(response_object(response_id, call.model, created, choice, len(prompt.token_ids)))
+        return await self._one_sample(
+            call, session, plan, policy,
+            stream=lambda events, prompt_tokens: stream_response(request, call, events, response_id, created,
+                                                                 prompt_tokens, with_tools),
+            answer=lambda choice, prompt_tokens: response_object(response_id, call.model, created, choice,
+                                                                 prompt_tokens))
 
     async def _message(self, request: web.Request, call: ChatCall, session: Session | None, plan: Plan,
                        policy: PolicyClient) -> web.StreamResponse:
         """A Messages API answer: one sample, as content blocks; streamed as its events."""
-        events, prompt, reason = await self._start(call, plan, policy, session)
         message_id, with_tools = new_message_id(), bool(call.tools)
+        return await self._one_sample(
+            call, session, plan, policy,
+            stream=lambda events, prompt_tokens: stream_message(request, call, events, message_id, prompt_tokens,
+                                                                with_tools),
+            answer=lambda choice, prompt_tokens: message_object(message_id, call.model, choice, prompt_tokens))
+
+    async def _one_sample(self, call: ChatCall, session: Session | None, plan: Plan, policy: PolicyClient,
+                          stream: Callable[[Any, int], Awaitable[tuple[web.StreamResponse, Any]]],
+                          answer: Callable[[Choice, int], dict[str, Any]]) -> web.StreamResponse:
+        """Generate one sample for an API that answers with one (Responses, Messages): streamed by
+        `stream(events, prompt_tokens)` or answered whole as `answer(choice, prompt_tokens)`, and
+        recorded in the session either way."""
+        events, prompt, reason = await self._start(call, plan, policy, session)
         response: web.StreamResponse | None = None
         sample = None
         try:
             if call.stream:
-                response, sample = await stream_message(request, call, events, message_id, len(prompt.token_ids),
-                                                        with_tools)
+                response, sample = await stream(events, len(prompt.token_ids))
             else:
                 async for event in events:
                     if event.WhichOneof("event") == "sample":
                         sample = event.sample
         finally:
             await events.aclose()
-        choice = Choice(0, sample, with_tools) if sample is not None else None
+        choice = Choice(0, sample, bool(call.tools)) if sample is not None else None
         if session is not None and choice is not None:
             session.record(call, plan, reason, list(prompt.token_ids), prompt.policy_version, [choice])
         if response is not None:
             return response
         if choice is None:
             raise ApiError(502, "the policy server ended Generate without its sample", type_="server_error")
-        return web.json_response(message_object(message_id, call.model, choice, len(prompt.token_ids)))
+        return web.json_response(answer(choice, len(prompt.token_ids)))
 
     async def _session(self, request: web.Request) -> web.Response:
         principal = self._principal(request, AuthRole.AGENT)
