@@ -154,11 +154,16 @@ def turn_prompt_lengths(sample: TrainSample) -> list[int]:
     return [t for t in range(1, len(mask)) if mask[t] == 1 and mask[t - 1] == 0]
 
 
+def untruncated(length: int, temperature: float) -> torch.Tensor:
+    """[length, 3] rows of (temperature, 1, 0): tokens sampled at `temperature`, untruncated."""
+    return torch.tensor([[temperature, 1.0, 0.0]]).repeat(length, 1)
+
+
 def sampling_tensor(sample: TrainSample, temperature: float) -> torch.Tensor:
     """[T, 3] (temperature, top_p, top_k) of each token: its sampling span's, else (temperature,
     1, 0)."""
     n = len(sample.token_ids)
-    table = torch.tensor([[temperature, 1.0, 0.0]]).repeat(n, 1)
+    table = untruncated(n, temperature)
     for start, end, t, top_p, top_k in sample.sampling_spans:
         table[start:min(end, n)] = torch.tensor([t, top_p, float(top_k)])
     return table
@@ -321,11 +326,6 @@ class MicroBatch:
     # [B, T-1, 3] float: (temperature, top_p, top_k) each predicted token was sampled under
     sampling: torch.Tensor
 
-    @property
-    def truncated(self) -> bool:
-        """Some token was sampled with top-p or top-k."""
-        return bool(((self.sampling[..., 1] < 1) | (self.sampling[..., 2] > 0)).any())
-
     def to(self, device: torch.device | str) -> MicroBatch:
         return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
@@ -348,7 +348,9 @@ def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0, tempera
         rollout_logprobs=stack([s.rollout_logprobs for s in sequences], 0.0)[:, 1:],
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
         policy_versions=stack([_versions(s) for s in sequences], -1)[:, 1:],
-        sampling=torch.stack([F.pad(_sampling(s, temperature), (0, 0, 0, length - s.length), value=1.0)
+        # padding reads as T = 1, untruncated: it trains nothing and must not make the batch
+        # take the truncation rule's path (learner/logprobs.py)
+        sampling=torch.stack([torch.cat([_sampling(s, temperature), untruncated(length - s.length, 1.0)])
                               for s in sequences])[:, 1:],
     )
 
@@ -356,7 +358,7 @@ def pad_right(sequences: Sequence[TrainSequence], pad_token_id: int = 0, tempera
 def _sampling(sequence: TrainSequence, temperature: float) -> torch.Tensor:
     if sequence.sampling is not None:
         return sequence.sampling
-    return torch.tensor([[temperature, 1.0, 0.0]]).repeat(sequence.length, 1)
+    return untruncated(sequence.length, temperature)
 
 
 def _versions(sequence: TrainSequence) -> torch.Tensor:

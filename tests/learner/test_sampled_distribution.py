@@ -11,6 +11,7 @@ import torch
 from learner_fixtures import tiny_model
 
 from learner.config import GRPOConfig
+from learner.grpo import TrainSequence, pad_right
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
 from policy_server.backends.sampling import sample_next_tokens
@@ -62,3 +63,16 @@ def test_the_learner_trains_the_distribution_that_sampled(
     metrics = trainer.train_step(groups)
     assert metrics.mismatch_engine is not None
     assert abs(metrics.mismatch_engine - 1) < 1e-3, metrics.mismatch_engine
+
+
+def test_padding_reads_as_untruncated() -> None:
+    """Rows of different lengths pad to one length; the padded positions train nothing and must not
+    make an untruncated batch look truncated (which would run the top-k/top-p rule on every chunk)."""
+    short = TrainSequence(token_ids=torch.tensor([1, 2]), loss_mask=torch.tensor([0.0, 1.0]),
+                          rollout_logprobs=torch.zeros(2), advantage=1.0)
+    long = TrainSequence(token_ids=torch.tensor([1, 2, 3, 4, 5]), loss_mask=torch.tensor([0.0, 1, 1, 1, 1]),
+                         rollout_logprobs=torch.zeros(5), advantage=1.0)
+    batch = pad_right([short, long], temperature=0.7)
+    top_p, top_k = batch.sampling[..., 1], batch.sampling[..., 2]
+    assert not bool(((top_p < 1) | (top_k > 0)).any()), batch.sampling
+    assert batch.sampling[0, 1:].tolist() == [[1.0, 1.0, 0.0]] * 3  # padding: T = 1, untruncated
