@@ -6,6 +6,8 @@ temperatures in one batch."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from learner_fixtures import tiny_model
@@ -39,7 +41,7 @@ def _sample(model: torch.nn.Module, temperature: float, top_p: float, top_k: int
 def _group(model: torch.nn.Module, name: str, settings: list[tuple[float, float, int]]) -> RolloutGroup:
     samples = []
     for index, (temperature, top_p, top_k) in enumerate(settings):
-        ids, logprobs = _sample(model, temperature, top_p, top_k, seed=hash((name, index)) % 1000)
+        ids, logprobs = _sample(model, temperature, top_p, top_k, seed=zlib.crc32(f"{name}/{index}".encode()) % 1000)
         prompt = len(PROMPT)
         samples.append(TrainSample(
             token_ids=ids, loss_mask=[0] * prompt + [1] * COMPLETION,
