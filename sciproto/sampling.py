@@ -38,10 +38,6 @@ class Distribution(NamedTuple):
     top_p: float
     top_k: int
 
-    @property
-    def truncated(self) -> bool:
-        return self.top_p < 1 or self.top_k > 0
-
 
 UNTRANSFORMED = Distribution(1.0, 1.0, 0)
 
@@ -93,19 +89,6 @@ class Sampling(BaseModel):
 SAMPLING_DEFAULTS = Sampling()
 
 
-def sampling_to_pb(sampling: Sampling, message: Any) -> Any:
-    """Fill a `sciproto.v1.SamplingParams` message (passed in, so this module imports no
-    generated code) from `sampling`; every field is set explicitly."""
-    message.temperature = sampling.temperature
-    message.top_p = sampling.top_p
-    message.top_k = sampling.top_k
-    message.max_tokens = sampling.max_tokens
-    message.stop.extend(sampling.stop)
-    if sampling.seed is not None:
-        message.seed = sampling.seed
-    return message
-
-
 def distribution_from_pb(message: Any) -> Distribution:
     """The distribution a `sciproto.v1.SamplingParams` message asks for, unset fields read as
     their defaults; ValueError when out of range."""
@@ -139,5 +122,4 @@ __all__ = [
     "Sampling",
     "check_sampling",
     "distribution_from_pb",
-    "sampling_to_pb",
 ]
