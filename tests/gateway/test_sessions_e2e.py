@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from gateway import sessions
+from gateway.local import LocalGateway
+from gateway.sessions import SessionLimits
 from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import ServerProcess
 from tests.gateway.conftest import serve_gateway
@@ -152,6 +157,32 @@ def test_idle_sessions_expire_and_are_counted_and_sizes_are_capped(tiny_policy: 
         assert httpx.get(f"{base}/health", timeout=30).json()["expired_sessions"] == 2
     finally:
         server.stop()
+
+
+async def test_a_call_longer_than_the_idle_ttl_keeps_its_session(tiny_policy: ServerProcess,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle TTL counts from a call's end: a session whose calls each last past the TTL is
+    never idle, so its next call extends it (not a fresh session under the same name)."""
+    clock = types.SimpleNamespace(offset=0.0)
+    monkeypatch.setattr(sessions, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + clock.offset))
+    async with LocalGateway([tiny_policy.target], SessionLimits(idle_ttl_s=60)) as local:
+        assert local.gateway is not None
+        policy = local.gateway.policies[0]
+        generate = policy.generate
+
+        def lasting(request: Any, timeout_s: float | None = None) -> Any:  # the clock passes the TTL mid-call
+            clock.offset += 120
+            return generate(request, timeout_s)
+
+        monkeypatch.setattr(policy, "generate", lasting)
+        client = openai.AsyncOpenAI(base_url=local.base_url("long"), api_key="unused", max_retries=0, timeout=120)
+        messages: list[dict] = [{"role": "user", "content": "one"}]
+        reply = await client.chat.completions.create(model=local.model, messages=messages, max_tokens=3)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "two"}]
+        await client.chat.completions.create(model=local.model, messages=messages, max_tokens=3)
+        session = local.gateway.store.get("long", "")
+        assert [(call.segment, call.extends) for call in session.calls] == [(0, False), (0, True)]
+        assert local.gateway.store.expired == 0
 
 
 def _one_call_session(base: str, session: str, model: str) -> None:
