@@ -10,7 +10,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from sciproto.rundir import LEARNER_STATE_FILE, latest_checkpoint
+from sciproto import rundir
+from sciproto.rundir import LEARNER_STATE_FILE
+
+# The highest-step checkpoint that holds both the trainer and the learner state: the one every
+# reader of a run directory takes (sciproto.rundir).
+latest_learner_checkpoint = rundir.latest_checkpoint
 
 
 class LearnerState(BaseModel):
@@ -28,13 +33,9 @@ class LearnerState(BaseModel):
     groups_duplicate: int = 0
 
 
-def latest_learner_checkpoint(run_dir: Path) -> Path | None:
-    """The highest-step checkpoint that holds both the trainer and the learner state."""
-    return latest_checkpoint(run_dir)
-
-
 def read_learner_state(checkpoint: Path) -> LearnerState:
-    return LearnerState.model_validate_json((checkpoint / LEARNER_STATE_FILE).read_text())
+    """The learner state of a complete checkpoint (sciproto.rundir reads it), validated."""
+    return LearnerState.model_validate(rundir.read_learner_state(checkpoint))
 
 
 def write_learner_state(checkpoint: Path, state: LearnerState) -> None:
