@@ -29,12 +29,14 @@ NOTEBOOK_SANDBOX = "bwrap" if BWRAP_PROBLEM is None else "none"
 
 # Test files that start a training run, a real engine (vLLM, Ray, Slurm), a browser, a compiler or
 # a sandbox, or that go through every command of a page: marked `slow` as a whole, so that
-# `scripts/test.sh --quick` (pytest -m "not slow") runs the rest in a few minutes while the full
-# command runs everything.
+# `scripts/test.sh --quick` (pytest -m "not slow") runs the rest while the full command runs
+# everything. Each entry is one or more whole words of a file's name (words split at "_"), so that
+# "ray" marks test_ray_engine.py but not a test_array_*.py, and "vllm_backend" not the vLLM source
+# check (test_vllm_source.py, which only reads the wheels).
 SLOW_FILES = (
-    "_e2e.py", "vllm", "ray", "slurm", "smollm2", "docs_site", "docs_tutorial", "viewer", "wheel",
-    "readme_commands", "no_orphans", "cpp_client", "node_client", "sandbox", "collective", "fsdp2",
-    "test_train_", "kernel_pool", "leftovers", "bench_scripts", "step_training", "sft_phase_resume",
+    "e2e", "vllm_backend", "vllm_updates", "ray", "slurm", "smollm2", "docs_site", "docs_tutorial", "viewer",
+    "wheel", "readme_commands", "no_orphans", "cpp_client", "node_client", "sandbox", "collective", "fsdp2",
+    "test_train_resume", "kernel_pool", "leftovers", "bench_scripts", "step_training", "sft_phase_resume",
     "curriculum_train", "rollouts_to_learner", "protocol_major",
 )
 SLOW_FOLDERS = ("reliability",)
@@ -44,6 +46,6 @@ def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        path = item.path
-        if path.parent.name in SLOW_FOLDERS or any(part in path.name for part in SLOW_FILES):
+        name = f"_{item.path.stem}_"
+        if item.path.parent.name in SLOW_FOLDERS or any(f"_{words}_" in name for words in SLOW_FILES):
             item.add_marker(pytest.mark.slow)
