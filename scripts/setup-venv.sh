@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 mode=demo
-case "${1:-}" in
+case "$*" in  # one argument at most: anything else is a mistake to say, not to ignore
   "") ;;
   --full) mode=full ;;
   *) echo "usage: scripts/setup-venv.sh [--full]  (--full: everything the tests need)" >&2; exit 2 ;;
