@@ -58,7 +58,7 @@ def python_env_server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def node_env_server() -> Iterator[ServerProcess]:
     if not has_node():
-        pytest.skip("needs Node.js and `npm ci` (scripts/setup-venv.sh runs it)")
+        pytest.skip("needs Node.js and `npm ci` (scripts/setup-venv.sh --full runs it)")
     yield from serve("node-env", ["node", str(NODE_SERVER), "--port", "0", "--max-live-episodes", "8"])
 
 

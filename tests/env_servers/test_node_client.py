@@ -16,7 +16,7 @@ SCRIPT = ROOT / "clients" / "node" / "gsm8k_episode.js"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or not (ROOT / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-    reason="needs Node.js and `npm ci` (scripts/setup-venv.sh runs it)",
+    reason="needs Node.js and `npm ci` (scripts/setup-venv.sh --full runs it)",
 )
 
 

