@@ -23,8 +23,10 @@ rounding of the set's edge can fall outside the learner's recomputed set, and it
 the normaliser instead of making log pi -inf. The forward pass keeps each position's least kept
 z_t (one float), from which the backward pass rebuilds K_t without sorting the vocabulary again.
 
-Memory beyond the logits and their gradient: about three float32 chunks of [chunk, V] (four
-when a chunk truncates: the kept-token mask).
+Memory beyond the logits and their gradient, in float32 chunks of [chunk, V] (peak RSS measured on
+the CPU over 2 x 1024 positions x V = 32768, forward and backward): about 2 untruncated, 3.5 with
+top-k (the kept-token mask), 6.5 with top-p (its sort of the vocabulary holds the sorted values
+and their int64 order beside the chunk).
 """
 
 from __future__ import annotations
