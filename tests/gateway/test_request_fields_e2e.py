@@ -19,7 +19,7 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsBas
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
 from sciproto.processes import ServerProcess
-from tests.gateway.conftest import serve_gateway
+from tests.gateway.conftest import running_gateway
 
 MODEL = "fields-model"
 QUESTION = [{"role": "user", "content": "Name three colours."}]
@@ -44,16 +44,8 @@ class Case:
 
 @pytest.fixture(scope="module")
 def gateway(tiny_policy: ServerProcess) -> Iterator[ServerProcess]:
-    server = serve_gateway("--policy", tiny_policy.target, "--model-name", MODEL)
-    try:
+    with running_gateway("--policy", tiny_policy.target, "--model-name", MODEL) as server:
         yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(gateway: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from sciproto.client.policy import PolicyClient
 from sciproto.models import load_model
 from sciproto.processes import ServerProcess
-from tests.gateway.conftest import serve_gateway
+from tests.gateway.conftest import running_gateway
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
@@ -59,8 +59,7 @@ def _train(prompt_ids: list[int], target: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def gateway(tiny_policy: ServerProcess) -> Iterator[ServerProcess]:
-    server = serve_gateway("--policy", tiny_policy.target)
-    try:
+    with running_gateway("--policy", tiny_policy.target) as server:
         base = f"http://{server.target}"
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         probe = {"model": model, "messages": QUESTION, "tools": TOOLS, "max_tokens": 1}
@@ -74,13 +73,6 @@ def gateway(tiny_policy: ServerProcess) -> Iterator[ServerProcess]:
 
         asyncio.run(push())
         yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(gateway: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _model(client: openai.OpenAI) -> str:
