@@ -38,7 +38,7 @@ from clients.train.flow import Flow, GroupLedger
 from clients.train.producers import GroupSink, Production, open_tasks, produce
 from clients.train.records import StepRecord, TrainOutcome
 from clients.train.stream import LearnerStream
-from clients.train.task_stats import TaskStats, save_task_stats
+from clients.train.task_stats import TaskStats, TaskStatsFile
 from sciproto.errors import from_rpc_error
 from sciproto.rundir import ROLLOUTS_FILE
 
@@ -78,10 +78,11 @@ async def run_rollouts_into_learner(
     learner = LearnerStream(learner_target, ledger, status, rollout.learner_reconnect_s)
     started = time.monotonic()
     stats_holder: list[TaskStats] = []  # the task stream's statistics, once the tasks are open
+    stats_file = TaskStatsFile(run_dir, config.learner.checkpoint_every)
 
     def stepped(record: StepRecord, outcome: TrainOutcome) -> None:
         if stats_holder:
-            save_task_stats(stats_holder[0], run_dir, record.step, config.learner.checkpoint_every)
+            stats_file.save(stats_holder[0], record.step)
         on_step(record, outcome)
 
     events = LearnerEvents(config.budget, flow, ledger, status, outcome, learner, stop, started, stepped)
@@ -125,7 +126,7 @@ async def run_rollouts_into_learner(
                 events.settle()
                 outcome.task_stats = tasks.stats.summary()
                 if status.step:  # the learner's final checkpoint is of this step (or the one in flight)
-                    save_task_stats(tasks.stats, run_dir, status.step, config.learner.checkpoint_every)
+                    stats_file.save(tasks.stats, status.step)
     return outcome
 
 

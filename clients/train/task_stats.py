@@ -176,21 +176,33 @@ def _read(run_dir: Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text(encoding="utf-8")).get("snapshots", []))
 
 
-def save_task_stats(stats: TaskStats, run_dir: Path, step: int, checkpoint_every: int) -> None:
-    """Write the snapshot of optimizer step `step` (replacing one of the same step), keeping the
-    snapshots a resume may still need (the newest at or before the latest complete checkpoint,
-    and later ones at checkpoint steps); atomically (a temporary file renamed into place)."""
-    latest = latest_checkpoint(run_dir)
-    floor = (checkpoint_step(latest) or 0) if latest is not None else 0
-    earlier = [s for s in _read(run_dir) if s["step"] != step]
-    resumable = max((s for s in earlier if s["step"] <= floor), key=lambda s: s["step"], default=None)
-    kept = [s for s in earlier if s is resumable
-            or (s["step"] > floor and checkpoint_every and s["step"] % checkpoint_every == 0)]
-    snapshots = sorted([*kept, {"step": step, **stats.snapshot()}], key=lambda s: s["step"])
-    path = run_dir / TASK_STATS_FILE
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps({"schema": SCHEMA, "snapshots": snapshots}) + "\n", encoding="utf-8")
-    os.replace(staging, path)
+class TaskStatsFile:
+    """The run directory's snapshots of the statistics, one per optimizer step the client hears of.
+
+    The snapshots kept are held here, each serialized once, so a step serializes only its own
+    and reads nothing back: the file is read once, when this opens it (a resumed run's snapshots)."""
+
+    def __init__(self, run_dir: Path, checkpoint_every: int) -> None:
+        self.run_dir = run_dir
+        self.checkpoint_every = checkpoint_every
+        self.kept = {int(s["step"]): json.dumps(s) for s in _read(run_dir)}  # step -> its snapshot's JSON
+
+    def save(self, stats: TaskStats, step: int) -> None:
+        """Write the snapshot of optimizer step `step` (replacing one of the same step), keeping the
+        snapshots a resume may still need (the newest at or before the latest complete checkpoint,
+        and later ones at checkpoint steps); atomically (a temporary file renamed into place)."""
+        latest = latest_checkpoint(self.run_dir)
+        floor = (checkpoint_step(latest) or 0) if latest is not None else 0
+        earlier = [s for s in self.kept if s != step]
+        resumable = max((s for s in earlier if s <= floor), default=None)
+        self.kept = {s: self.kept[s] for s in sorted(earlier) if s == resumable
+                     or (s > floor and self.checkpoint_every and s % self.checkpoint_every == 0)}
+        self.kept[step] = json.dumps({"step": step, **stats.snapshot()})
+        snapshots = ", ".join(self.kept[s] for s in sorted(self.kept))
+        path = self.run_dir / TASK_STATS_FILE
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text(f'{{"schema": {json.dumps(SCHEMA)}, "snapshots": [{snapshots}]}}\n', encoding="utf-8")
+        os.replace(staging, path)
 
 
 def restore_task_stats(stats: TaskStats, run_dir: Path) -> int | None:
@@ -208,5 +220,5 @@ def restore_task_stats(stats: TaskStats, run_dir: Path) -> int | None:
     return int(chosen["step"])
 
 
-__all__ = ["SCHEMA", "TaskFilter", "TaskRecord", "TaskStats", "group_outcome", "restore_task_stats",
-           "save_task_stats"]
+__all__ = ["SCHEMA", "TaskFilter", "TaskRecord", "TaskStats", "TaskStatsFile", "group_outcome",
+           "restore_task_stats"]

@@ -16,7 +16,7 @@ from clients.train.flow import FATES, Flow, GroupLedger
 from clients.train.producers import GroupSink, TaskStream
 from clients.train.records import TrainOutcome
 from clients.train.stream import LearnerStream
-from clients.train.task_stats import TaskFilter, TaskStats, restore_task_stats, save_task_stats
+from clients.train.task_stats import TaskFilter, TaskStats, TaskStatsFile, restore_task_stats
 from sciproto.client.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
 from sciproto.pb import learner_pb2
 from sciproto.rundir import LEARNER_STATE_FILE, MANIFEST_FILE, TASK_STATS_FILE, checkpoint_dir
@@ -88,12 +88,13 @@ def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path:
     for index, rewards in enumerate([[1.0, 1.0], [0.0, 0.5, 1.0], [0.0, 0.0], [0.25, 0.25]] * 3):
         stats.record(group(index % 5, rewards))
     stats.passed_over, stats.revisited = 3, 1
-    save_task_stats(stats, tmp_path, 10, checkpoint_every=10)
+    snapshots = TaskStatsFile(tmp_path, checkpoint_every=10)
+    snapshots.save(stats, 10)
     at_10 = json.loads(json.dumps(stats.snapshot()))
     checkpoint(tmp_path, 10)
     stats.record(group(7, [1.0, 0.0]))  # after the checkpoint: gone with a crash before the next
-    save_task_stats(stats, tmp_path, 11, checkpoint_every=10)
-    save_task_stats(stats, tmp_path, 12, checkpoint_every=10)
+    snapshots.save(stats, 11)
+    snapshots.save(stats, 12)
     steps = [s["step"] for s in json.loads((tmp_path / TASK_STATS_FILE).read_text())["snapshots"]]
     assert steps == [10, 12], "the checkpoint's snapshot and the newest are kept"
 
@@ -108,6 +109,11 @@ def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path:
     again = TaskStats()
     assert restore_task_stats(again, tmp_path) == 12 and again.snapshot() == stats.snapshot()
     assert restore_task_stats(TaskStats(), tmp_path / "elsewhere") is None
+
+    # A resumed run opens the file again and keeps from it what a resume may still need.
+    TaskStatsFile(tmp_path, checkpoint_every=10).save(stats, 14)
+    steps = [s["step"] for s in json.loads((tmp_path / TASK_STATS_FILE).read_text())["snapshots"]]
+    assert steps == [12, 14]
 
 
 def test_a_curriculum_seeds_the_statistics() -> None:
