@@ -25,6 +25,7 @@ from aiohttp import web
 
 from gateway.chat import ChatCall, Choice, parse_chat_request
 from gateway.errors import ApiError, from_sciproto
+from gateway.streaming import one_sample, open_event_stream
 from sciproto.errors import SciprotoError
 from sciproto.pb import policy_pb2
 
@@ -220,32 +221,29 @@ async def stream_message(request: web.Request, call: ChatCall, events: AsyncIter
     """The Messages API's events: message_start, a content block per text or tool_use (text
     deltas as they are sampled; with tools the text waits for the sample's end, when its tool-call
     markup has been parsed), message_delta with the stop reason and usage, message_stop."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    response = await open_event_stream(request)
 
     async def send(kind: str, **payload: Any) -> None:
         await response.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode())
 
+    text_open = False
+
+    async def text_delta(text: str) -> None:
+        nonlocal text_open
+        if not text_open:
+            text_open = True
+            await send("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        await send("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+
     await send("message_start", message={
         "id": message_id, "type": "message", "role": "assistant", "model": call.model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
-    text_open = False
-    sample = None
     try:
-        async for event in events:
-            kind = event.WhichOneof("event")
-            if kind == "delta" and not with_tools and event.delta.text:
-                if not text_open:
-                    text_open = True
-                    await send("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                await send("content_block_delta", index=0, delta={"type": "text_delta", "text": event.delta.text})
-            elif kind == "sample":
-                sample = event.sample
+        sample = await one_sample(events, with_tools, text_delta)
     except SciprotoError as error:
         api = from_sciproto(error)
         await send("error", error={"type": _ERROR_TYPES.get(api.status, "api_error"), "message": api.message})
-        await response.write_eof()
-        return response, None
+        sample = None
     if sample is None:
         await response.write_eof()
         return response, None

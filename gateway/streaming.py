@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -18,7 +18,29 @@ from gateway.responses import output_items, response_object
 from sciproto.errors import SciprotoError
 from sciproto.pb import policy_pb2
 
-__all__ = ["stream_chat", "stream_response"]
+__all__ = ["one_sample", "open_event_stream", "stream_chat", "stream_response"]
+
+
+async def open_event_stream(request: web.Request) -> web.StreamResponse:
+    """A server-sent-events answer to `request`, its headers sent."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def one_sample(events: AsyncIterator[policy_pb2.GenerateResponse], with_tools: bool,
+                     on_text: Callable[[str], Awaitable[None]]) -> policy_pb2.GenerateSample | None:
+    """The sample of a one-sample Generate stream (None when it ends without one). Without tools
+    its text deltas go to `on_text` as they are sampled; with tools the text waits for the
+    sample's end, when its tool-call markup has been parsed. A policy server's error is raised."""
+    sample = None
+    async for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "delta" and not with_tools and event.delta.text:
+            await on_text(event.delta.text)
+        elif kind == "sample":
+            sample = event.sample
+    return sample
 
 
 async def stream_chat(request: web.Request, call: ChatCall, events: AsyncIterator[policy_pb2.GenerateResponse],
@@ -26,8 +48,7 @@ async def stream_chat(request: web.Request, call: ChatCall, events: AsyncIterato
                   ) -> tuple[web.StreamResponse, list[policy_pb2.GenerateSample]]:
     """Server-sent events: text deltas as they are sampled. With tools, a sample's text waits
     for its end, when its tool-call markup has been parsed into `tool_calls`."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    response = await open_event_stream(request)
 
     async def send(payload: dict[str, Any]) -> None:
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
@@ -74,8 +95,7 @@ async def stream_response(request: web.Request, call: ChatCall,
                            events: AsyncIterator[policy_pb2.GenerateResponse], response_id: str, created: int,
                            prompt_tokens: int, with_tools: bool
                            ) -> tuple[web.StreamResponse, policy_pb2.GenerateSample | None]:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    response = await open_event_stream(request)
     sequence = itertools.count()
 
     async def send(kind: str, **payload: Any) -> None:
@@ -94,22 +114,18 @@ async def stream_response(request: web.Request, call: ChatCall,
             await send("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
                        part={"type": "output_text", "text": "", "annotations": []})
 
-    sample = None
+    async def text_delta(text: str) -> None:
+        await open_message()
+        await send("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=text,
+                   logprobs=[])
+
     await send("response.created", response=response_object(response_id, call.model, created, None,
                                                              prompt_tokens, status="in_progress"))
     try:
-        async for event in events:
-            kind = event.WhichOneof("event")
-            if kind == "delta" and not with_tools and event.delta.text:
-                await open_message()
-                await send("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                           delta=event.delta.text, logprobs=[])
-            elif kind == "sample":
-                sample = event.sample
+        sample = await one_sample(events, with_tools, text_delta)
     except SciprotoError as error:
         await send("error", **from_sciproto(error).body()["error"])
-        await response.write_eof()
-        return response, None
+        sample = None
     if sample is None:
         await response.write_eof()
         return response, None
