@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.train import TrainOutcome, load_train_config, train
-from clients.train.ray_engine import import_ray
+from clients.train.cluster import ClusterSettings
+from clients.train.ray_engine import connect, import_ray
 
 LAST_STEPS = 3  # steps averaged for "reward at the end"
 
@@ -105,10 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["local"] = run(args.config, overrides, Path(tmp) / "local")
         ray = import_ray()
-        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # as the Ray engine starts a local Ray
         started = time.monotonic()
-        ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 2**20, include_dashboard=False,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
+        connect(ray, ClusterSettings(num_cpus=args.ray_cpus))  # the local Ray a `--cluster ray` run starts
         results["ray_init_s"] = round(time.monotonic() - started, 2)
         try:
             results["ray"] = run(args.config, [*overrides, "cluster.engine=ray"], Path(tmp) / "ray")
