@@ -145,7 +145,7 @@ class GroupSink:
         group_id, records = with_epoch(group, epoch)
         if self.stats is not None:
             self.stats.record(group)
-            self.status.tasks_set_aside = self.stats.summary()["set_aside"]
+            self.status.tasks_set_aside = len(self.stats.aside)
         for record in records:
             sink = self.failures_file if record.status is RolloutStatus.INFRA_ERROR else self.rollouts_file
             sink.write(record.to_json_line(self.rollout.rollouts_file))

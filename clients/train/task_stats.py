@@ -126,24 +126,42 @@ class TaskStats:
     tasks: dict[str, TaskRecord] = field(default_factory=dict)  # by TaskKey.group_id
     passed_over: int = 0  # turns of a set-aside task skipped
     revisited: int = 0  # turns of a set-aside task generated anyway
+    # The tasks set aside now, and why: kept as each group is recorded, so that counting them
+    # after every group does not judge every task again.
+    aside: dict[str, str] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._judge_all()
+
+    def _judge(self, key: str, record: TaskRecord) -> None:
+        why = record.no_signal(self.settings.window) if self.settings.enabled else None
+        if why is None:
+            self.aside.pop(key, None)
+        else:
+            self.aside[key] = why
+
+    def _judge_all(self) -> None:
+        self.aside = {}
+        for key, record in self.tasks.items():
+            self._judge(key, record)
 
     def record(self, group: RolloutGroup) -> None:
-        self.tasks.setdefault(group.task.group_id, TaskRecord()).add(*group_outcome(group))
+        key = group.task.group_id
+        record = self.tasks.setdefault(key, TaskRecord())
+        record.add(*group_outcome(group))
+        self._judge(key, record)
 
     def set_aside(self, task: TaskKey) -> str | None:
         """Why `task` is set aside ('solved', 'unsolved', 'equal'), or None when it is not."""
-        if not self.settings.enabled:
-            return None
-        record = self.tasks.get(task.group_id)
-        return record.no_signal(self.settings.window) if record is not None else None
+        return self.aside.get(task.group_id)
 
     def summary(self) -> dict[str, int]:
         """The counts summary.json and the live line show."""
-        reasons = [r.no_signal(self.settings.window) for r in self.tasks.values()] if self.settings.enabled else []
+        reasons = list(self.aside.values())
         return {
             "tasks": len(self.tasks),
             "groups": sum(r.groups for r in self.tasks.values()),
-            "set_aside": sum(r is not None for r in reasons),
+            "set_aside": len(reasons),
             "set_aside_solved": reasons.count("solved"),
             "set_aside_unsolved": reasons.count("unsolved"),
             "passed_over": self.passed_over,
@@ -158,6 +176,7 @@ class TaskStats:
         self.tasks = {task: TaskRecord.from_json(r) for task, r in snapshot["tasks"].items()}
         self.passed_over = int(snapshot.get("passed_over", 0))
         self.revisited = int(snapshot.get("revisited", 0))
+        self._judge_all()
 
     def seed(self, curriculum: Curriculum) -> None:
         """A fresh run's records from a curriculum's measured pass rates (one group per task)."""
@@ -166,7 +185,9 @@ class TaskStats:
             solved = round(rate * samples)
             outcome = "solved" if rate >= 1.0 else "unsolved" if rate <= 0.0 else "mixed"
             key = TaskKey(curriculum.env, curriculum.split, int(index)).group_id
-            self.tasks.setdefault(key, TaskRecord()).add(outcome, samples, solved, 0)
+            record = self.tasks.setdefault(key, TaskRecord())
+            record.add(outcome, samples, solved, 0)
+            self._judge(key, record)
 
 
 def _read(run_dir: Path) -> list[dict[str, Any]]:
