@@ -17,9 +17,9 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def too_large(size: int | None, limit: int) -> ApiError:
-    said = f"is {size} bytes" if size is not None else "passed that"
-    return ApiError(413, f"the request body {said}; this gateway takes at most {limit} bytes "
-                    "(`sciproto serve gateway --max-request-bytes`): send a shorter conversation",
+    said = f"is {size} bytes" if size is not None else f"passed {limit} bytes"
+    return ApiError(413, f"the request body {said}; this gateway takes at most {limit} bytes: send a shorter "
+                    "conversation, or raise the limit (`sciproto serve gateway --max-request-bytes`)",
                     param="body", code="request_too_large")
 
 

@@ -224,7 +224,9 @@ def test_a_chunked_body_past_the_limit_is_refused_too(base: str, model: str) -> 
     reply = httpx.post(f"{base}/v1/chat/completions", content=chunks(),
                        headers={"Content-Type": "application/json"}, timeout=120)
     assert reply.status_code == 413, reply.text[:300]
-    assert reply.json()["error"]["code"] == "request_too_large"
+    error = reply.json()["error"]
+    assert error["code"] == "request_too_large", error
+    assert f"passed {BODY_LIMIT} bytes" in error["message"] and "--max-request-bytes" in error["message"]
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(base: str, model: str) -> None:
