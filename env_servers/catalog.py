@@ -12,6 +12,7 @@ module the server imports: `imports` in its config); any other name falls back t
 Aviary itself knows (`TaskDataset.from_name`, then `Environment.from_name`).
 """
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -86,7 +87,8 @@ def import_modules(imports: Sequence[str]) -> None:
                 path = Path(entry).resolve()
                 if not path.is_file():
                     raise FileNotFoundError(f"no file {path}")
-                name = f"sciproto_user_{path.stem}"
+                # One module per file: files of the same name in two folders are two modules.
+                name = f"sciproto_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
                 if name in sys.modules:
                     continue
                 spec = importlib.util.spec_from_file_location(name, path)

@@ -305,6 +305,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                                    "dropped and the old weights keep serving", Reason.WEIGHTS_INCOMPLETE) from error
 
     async def aclose(self) -> None:
+        self._tokenize.close()
         await self._backend.close()
 
 

@@ -48,3 +48,14 @@ def test_the_env_server_refuses_a_bad_import_as_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="missing_env.py"):
         load_sources(EnvServerConfig(envs=["toy"], imports=["missing_env.py"]))
+
+
+def test_files_of_the_same_name_in_two_folders_are_both_imported(tmp_path: Path) -> None:
+    for folder, name in (("first", "same_stem_one"), ("second", "same_stem_two")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "envs.py").write_text(
+            "from env_servers.catalog import load_source, register\n"
+            f"register({name!r}, lambda options: load_source('toy'))\n")
+    import_modules([str(tmp_path / "first/envs.py"), str(tmp_path / "second/envs.py")])
+    check_name("same_stem_one")
+    check_name("same_stem_two")
