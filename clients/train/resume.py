@@ -18,12 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sciproto.client.rollouts import TaskKey
-from sciproto.rundir import (
-    LEARNER_STATE_FILE,
-    checkpoint_step,
-    latest_checkpoint,
-    read_learner_state,
-)
+from sciproto.rundir import checkpoint_step, latest_checkpoint, read_learner_state
 
 # A step group (rollout.grouping: step) adds its step: `<env>/<split>/<index>#<epoch>/step<k>`.
 _GROUP_ID = re.compile(r"(?P<env>[^/]+)/(?P<split>[^/]+)/(?P<index>\d+)#(?P<epoch>\d+)(?:/step\d+)?")
@@ -102,5 +97,4 @@ def resume_point(group_ids: Iterable[str], env: str, split: str, size: int | Non
     return point
 
 
-__all__ = ["LEARNER_STATE_FILE", "ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids",
-           "trained_steps"]
+__all__ = ["ResumePoint", "choose_run_dir", "latest_checkpoint", "resume_point", "trained_group_ids", "trained_steps"]
