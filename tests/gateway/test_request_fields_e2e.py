@@ -218,16 +218,21 @@ def test_every_sdk_field_has_a_case() -> None:
     assert EXTENSIONS <= {case.field for case in CHAT_CASES}
 
 
-@pytest.mark.parametrize("case", CHAT_CASES, ids=str)
-def test_chat_field_is_honoured_or_refused(client: openai.OpenAI, case: Case) -> None:
+def honoured_or_refused(client: openai.OpenAI, case: Case, send: Callable[..., Any]) -> None:
+    """The case's check passes, or `send` with the field is a 400 whose param and message name it."""
     if case.check is not None:
         case.check(client)
         return
     with pytest.raises(openai.BadRequestError) as caught:
-        chat(client, **{case.field: case.value})
+        send(client, **{case.field: case.value})
     param = caught.value.param or ""
     assert param.split(".")[0] == case.field, caught.value.message
     assert case.field in caught.value.message
+
+
+@pytest.mark.parametrize("case", CHAT_CASES, ids=str)
+def test_chat_field_is_honoured_or_refused(client: openai.OpenAI, case: Case) -> None:
+    honoured_or_refused(client, case, chat)
 
 
 def test_a_session_records_the_sampling_each_call_was_drawn_with(gateway: ServerProcess) -> None:
@@ -345,11 +350,4 @@ def test_every_responses_sdk_field_has_a_case() -> None:
 
 @pytest.mark.parametrize("case", RESPONSE_CASES, ids=str)
 def test_responses_field_is_honoured_or_refused(client: openai.OpenAI, case: Case) -> None:
-    if case.check is not None:
-        case.check(client)
-        return
-    with pytest.raises(openai.BadRequestError) as caught:
-        respond(client, **{case.field: case.value})
-    param = caught.value.param or ""
-    assert param.split(".")[0] == case.field, caught.value.message
-    assert case.field in caught.value.message
+    honoured_or_refused(client, case, respond)
