@@ -1,5 +1,5 @@
 """The session store's idle sweep, on a clock the test moves: sessions idle past the TTL are
-dropped and counted whatever order they were opened and used in; a session in a call stays."""
+dropped and counted whatever order they were opened and used in; a session in a call stays, and its idle time counts from the call's end."""
 
 from __future__ import annotations
 
@@ -49,8 +49,12 @@ def test_a_session_in_a_call_is_not_swept_and_does_not_shield_idle_ones(clock: C
             clock.now += 20
             store.sweep()
             assert list(store.sessions) == ["busy"] and store.expired == 1
+        store.touch(busy)  # the call's end, as the gateway marks it: the TTL counts from here
         assert idle.id not in store.sessions
-        store.sweep()  # the call has ended: idle since it began
+        store.sweep()
+        assert list(store.sessions) == ["busy"]
+        clock.now += 11  # idle past the TTL since the call ended
+        store.sweep()
         assert not store.sessions and store.expired == 2
 
     asyncio.run(run())
