@@ -158,8 +158,8 @@ class RayServers:
         self._stopped = True
         ray = self._ray
         try:
-            for role, actors in self._in_stop_order():
-                started = bool(self._targets["learner" if role.startswith("learner") else role.split()[0]])
+            for role, said, actors in self._in_stop_order():
+                started = bool(self._targets[role])
                 refs = [actor.stop.remote(self.settings.stop_timeout_s) for actor in actors] if started else []
                 if refs:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.settings.stop_timeout_s + 5)
@@ -167,7 +167,7 @@ class RayServers:
                         try:
                             ray.get(ref)
                         except ray.exceptions.RayError as error:
-                            log.warning("%s stopped with an error: %s", role, one_line(error))
+                            log.warning("%s stopped with an error: %s", said, one_line(error))
                 for actor in actors:
                     ray.kill(actor, no_restart=True)
             for group in self.placement_groups:
@@ -176,10 +176,10 @@ class RayServers:
             if self.owns_ray:
                 ray.shutdown()
 
-    def _in_stop_order(self) -> list[tuple[str, list[Any]]]:
-        groups = {f"{role} server": self.actors[role] for role in STOP_ORDER}
-        ordered = [("learner server", groups.pop("learner server")), ("learner rank", self.followers)]
-        return ordered + list(groups.items())
+    def _in_stop_order(self) -> list[tuple[str, str, list[Any]]]:
+        """(role, how a log line names its actors, the actors): the learner's ranks 1.. right after rank 0."""
+        ordered = [(role, f"{role} server", self.actors[role]) for role in STOP_ORDER]
+        return [ordered[0], ("learner", "learner rank", self.followers), *ordered[1:]]
 
 
 def actor_state(actor: Any) -> dict[str, Any]:
