@@ -68,8 +68,8 @@ PY
 export LITELLM_LOCAL_MODEL_COST_MAP=True
 args=()
 for arg in "$@"; do
-  # --quick: the tests that start no training run, real engine, browser or compiler (a few minutes);
-  # what runs is what tests/conftest.py does not mark slow.
+  # --quick: the tests that start no training run, real engine, browser or compiler (about a third of
+  # the suite's time): what tests/conftest.py does not mark slow.
   if [[ $arg == --quick ]]; then args+=(-m "not slow"); else args+=("$arg"); fi
 done
 pytest=(.venv/bin/python -m pytest -q "${args[@]}")
