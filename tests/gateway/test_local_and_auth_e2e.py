@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -116,6 +117,13 @@ def test_the_gateway_takes_the_servers_role_tokens(tmp_path: Path, monkeypatch: 
             agent = openai.OpenAI(base_url=f"{base}/s/x/v1", api_key=tokens["agent"], max_retries=0, timeout=120)
             model = agent.models.list().data[0].id
             agent.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            # The anthropic SDK sends its api_key as `x-api-key`: the same session, the same principal.
+            claude = anthropic.Anthropic(base_url=f"{base}/s/x", api_key=tokens["agent"], max_retries=0, timeout=120)
+            claude.messages.create(model=model, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0, timeout=120).messages.create(
+                    model=model, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            assert refused.value.body["error"]["type"] == "authentication_error"
             grading = {"group": "g", "reward": 1.0}
             as_agent = httpx.post(f"{base}/sessions/x/close", json=grading, timeout=30,
                                   headers={"Authorization": f"Bearer {tokens['agent']}"})
