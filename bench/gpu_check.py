@@ -35,6 +35,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
+from policy_server.backends.registry import backend_plugin
 from policy_server.backends.transformers_backend import TransformersBackend
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, register
@@ -109,7 +110,8 @@ async def update_weights_check(config: dict, device: str, repeats: int) -> dict:
     tokenizer = load_model("tiny").tokenizer
     served = build_model(config, device).to(torch.bfloat16)
     backend = TransformersBackend(_Loaded(served, tokenizer))
-    servicer = PolicyServicer(backend, lambda request: list(request.prompt_token_ids), PolicyServerConfig())
+    servicer = PolicyServicer(backend, lambda request: list(request.prompt_token_ids), PolicyServerConfig(),
+                              capabilities=backend_plugin("transformers").capabilities)
     running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
     try:
         weights = {name: p.detach().clone() for name, p in build_model(config, device, seed=1)

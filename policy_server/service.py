@@ -16,9 +16,9 @@ hint) rather than queued, so a sender learns immediately that two writers target
 A header with transport COLLECTIVE carries no data chunks: the tensors come over the learner's
 collective group and the backend's `receive_weights_collective` takes them (vLLM: NCCL on a GPU,
 gloo on the CPU; transformers: the gloo group of `sciproto.weights.group`), where its plug-in
-declares the capability (policy_server.backends.registry). A backend handed to PolicyServicer
-without a plug-in may still name it `receive_weights_nccl` and its capability
-`weight_updates_nccl`, the names before protocol 1.3, for a release.
+declares the capability (policy_server.backends.registry). A backend may still name it
+`receive_weights_nccl` and its capability `weight_updates_nccl`, the names before protocol 1.3,
+for a release.
 
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
@@ -78,12 +78,9 @@ NCCL_CAPABILITY = "weight_updates_nccl"  # its name before protocol 1.3 (depreca
 
 class PolicyServicer(policy_grpc.PolicyServiceServicer):
     def __init__(self, backend: PolicyBackend, tokenize: PromptTokenizer, config: PolicyServerConfig,
-                 longest_token_chars: int | None = None,
-                 capabilities: frozenset[Capability] | None = None) -> None:
+                 longest_token_chars: int | None = None, *, capabilities: frozenset[Capability]) -> None:
         self._backend = backend
-        # What the backend's plug-in declares (policy_server.backends.registry); None for a backend
-        # handed over directly, whose collective receiver is then looked up by name.
-        self._declared = capabilities
+        self._declared = capabilities  # what the backend's plug-in declares (policy_server.backends.registry)
         # Long prompts are tokenized off the event loop, and one that cannot fit is refused before
         # tokenizing (policy_server.tokenizing).
         self._tokenize = Tokenizing(tokenize, lambda: self._backend.info().max_context, longest_token_chars)
@@ -172,8 +169,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
 
     async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
                             context: grpc.aio.ServicerContext) -> policy_pb2.UpdateWeightsResponse:
-        declared = self._declared is None or Capability.WEIGHT_UPDATES in self._declared
-        if not (declared and self._backend.info().supports_weight_updates):
+        if not (Capability.WEIGHT_UPDATES in self._declared and self._backend.info().supports_weight_updates):
             raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
                                 Reason.UNSUPPORTED)
         first = await self._next_message(request_iterator)
@@ -247,12 +243,9 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         """The backend's receiver of collective-transport updates, when it takes them now: its
         plug-in declares it, and its info reports the capability (a transformers server only with
         weights.collective configured)."""
-        if not {COLLECTIVE_CAPABILITY, NCCL_CAPABILITY} & set(info.capabilities):
+        if (Capability.COLLECTIVE_WEIGHTS not in self._declared
+                or not {COLLECTIVE_CAPABILITY, NCCL_CAPABILITY} & set(info.capabilities)):
             return None
-        if self._declared is not None:
-            if Capability.COLLECTIVE_WEIGHTS not in self._declared:
-                return None
-            return self._backend.receive_weights_collective  # type: ignore[attr-defined]
         return (getattr(self._backend, "receive_weights_collective", None)
                 or getattr(self._backend, "receive_weights_nccl", None))  # the name before 1.3
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from policy_server.backends.registry import backend_plugin
 from policy_server.backends.vllm_backend import Platform, VllmBackend, VllmOptions, VllmTypes
 from policy_server.config import PolicyServerConfig
 from policy_server.service import PolicyServicer, register
@@ -162,7 +163,7 @@ async def test_an_update_that_fails_after_loading_began_never_resumes(engine, ba
 
 async def test_the_server_is_not_serving_while_the_weights_are_unavailable(engine, backend):
     config = PolicyServerConfig()
-    servicer = PolicyServicer(backend, backend.prompt_token_ids, config)
+    servicer = PolicyServicer(backend, backend.prompt_token_ids, config, capabilities=backend_plugin("vllm").capabilities)
     running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
     servicer.health = running.health
     update = [policy_pb2.UpdateWeightsRequest(header=policy_pb2.WeightsHeader(
@@ -214,7 +215,8 @@ async def test_a_collective_header_reaches_receive_weights_collective(engine):
     types = VllmTypes(sampling_params=lambda **kwargs: SimpleNamespace(**kwargs), delta_kind="DELTA")
     backend = VllmBackend(engine, load_model("tiny", seed=0).tokenizer, "tiny", "float32", options, manifest,
                           frozenset(), 512, platform=Platform.named("cuda"), collective=collective, types=types)
-    servicer = PolicyServicer(backend, backend.prompt_token_ids, PolicyServerConfig())
+    servicer = PolicyServicer(backend, backend.prompt_token_ids, PolicyServerConfig(),
+                              capabilities=backend_plugin("vllm").capabilities)
     running = await start_server(ServerConfig(port=0), [Service(POLICY_SERVICE, servicer, register)])
     header = policy_pb2.WeightsHeader(total_bytes=22, transport=policy_pb2.WEIGHT_TRANSPORT_NCCL, tensors=[
         policy_pb2.TensorSpec(name="a", shape=[2, 2], dtype=policy_pb2.TENSOR_DTYPE_FLOAT32),
