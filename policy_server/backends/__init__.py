@@ -1,5 +1,4 @@
-"""Policy backends: where tokens are sampled."""
+"""Policy backends: where tokens are sampled (the `PolicyBackend` protocol is in `base`).
 
-from policy_server.backends.base import PolicyBackend
-
-__all__ = ["PolicyBackend"]
+Importing the package imports no backend and not torch, so the configuration's typed options
+(`options`) and the plug-ins (`registry`) load without them."""

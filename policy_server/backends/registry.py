@@ -1,9 +1,9 @@
-"""The policy backends a server can be configured with: each a plug-in with a name, the config
-section that holds its typed options, what it can do, and a factory that builds it.
+"""The policy backends a server can be configured with: each a plug-in with a name, what it can
+do, and a factory that builds it (its typed options are its section of `PolicyServerConfig`).
 
 Importing this module imports neither torch nor vLLM: a backend's module is imported only when its
-factory runs, so a server imports only the backend it serves. A plug-in of one's own is added with
-`register_backend`.
+factory runs, so a server imports only the backend it serves. The configuration's `backend` names
+one of the three registered here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
-from policy_server.backends.options import OpenAIOptions, TransformersOptions, VllmSettings
 from sciproto.config import ConfigError
 
 if TYPE_CHECKING:
@@ -38,13 +35,11 @@ class BackendPlugin:
     """One policy backend. `load` imports its module (an ImportError when what it needs is not
     installed) and returns its factory, which builds the backend from a PolicyServerConfig; the
     backend also offers `prompt_token_ids(request) -> list[int]` and `tokenizer` (None when prompts
-    are rendered elsewhere). `section` names the config field holding `options`, its typed settings."""
+    are rendered elsewhere)."""
 
     name: str
     load: Callable[[], Factory]
     capabilities: frozenset[Capability]
-    section: str = ""
-    options: type[BaseModel] | None = None
 
 
 _BACKENDS: dict[str, BackendPlugin] = {}
@@ -55,10 +50,6 @@ def register_backend(plugin: BackendPlugin) -> BackendPlugin:
         raise ValueError(f"a policy backend named {plugin.name!r} is registered already")
     _BACKENDS[plugin.name] = plugin
     return plugin
-
-
-def backend_names() -> list[str]:
-    return list(_BACKENDS)
 
 
 def backend_plugin(name: str) -> BackendPlugin:
@@ -92,9 +83,8 @@ def _load_openai() -> Factory:
 
 _WEIGHTS = frozenset({Capability.WEIGHT_UPDATES, Capability.COLLECTIVE_WEIGHTS})
 
-register_backend(BackendPlugin("transformers", _load_transformers, _WEIGHTS, section="transformers",
-                               options=TransformersOptions))
-register_backend(BackendPlugin("vllm", _load_vllm, _WEIGHTS, section="vllm", options=VllmSettings))
-register_backend(BackendPlugin("openai", _load_openai, frozenset(), section="openai", options=OpenAIOptions))
+register_backend(BackendPlugin("transformers", _load_transformers, _WEIGHTS))
+register_backend(BackendPlugin("vllm", _load_vllm, _WEIGHTS))
+register_backend(BackendPlugin("openai", _load_openai, frozenset()))
 
-__all__ = ["BackendPlugin", "Capability", "backend_names", "backend_plugin", "register_backend"]
+__all__ = ["BackendPlugin", "Capability", "backend_plugin", "register_backend"]

@@ -38,3 +38,14 @@ def test_the_configuration_reference_describes_them() -> None:
     reference = configuration_reference()
     assert "| `policy.vllm.kv_cache_bytes` | integer | `1073741824` | Size of the KV cache" in reference
     assert "| `policy.openai.base_url` | string | required | Endpoint root" in reference
+
+
+def test_the_configuration_and_the_plug_ins_load_without_torch_or_vllm() -> None:
+    """What options.py and registry.py promise: a process that only reads a policy configuration
+    or picks a plug-in imports neither torch nor vLLM."""
+    import subprocess
+
+    code = ("import sys, policy_server.config, policy_server.backends.registry as r; r.backend_plugin('vllm'); "
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert shown.stdout.strip() == "[]", shown.stdout + shown.stderr
