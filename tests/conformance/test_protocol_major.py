@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,24 +53,23 @@ def assert_refused(error: FailedPrecondition, service: str, target: str) -> None
     assert PROTOCOL_VERSION in error.message and "major version" in error.message
 
 
-def test_env_client_refuses_a_server_of_protocol_2(servers: dict[str, ServerProcess]) -> None:
-    async def describe() -> None:
-        async with EnvClient(servers["env"].target) as env:
-            await env.describe(timeout=60)
+async def describe_env(target: str) -> None:
+    async with EnvClient(target) as env:
+        await env.describe(timeout=60)
 
+
+async def describe_policy(target: str) -> None:
+    async with PolicyClient(target) as policy:
+        await policy.describe(timeout_s=60)
+
+
+@pytest.mark.parametrize(("role", "service", "describe"),
+                         [("env", "environment", describe_env), ("policy", "policy", describe_policy)])
+def test_a_client_refuses_a_server_of_protocol_2(servers: dict[str, ServerProcess], role: str, service: str,
+                                                 describe: Callable[[str], Awaitable[None]]) -> None:
     with pytest.raises(FailedPrecondition) as caught:
-        asyncio.run(describe())
-    assert_refused(caught.value, "environment", servers["env"].target)
-
-
-def test_policy_client_refuses_a_server_of_protocol_2(servers: dict[str, ServerProcess]) -> None:
-    async def describe() -> None:
-        async with PolicyClient(servers["policy"].target) as policy:
-            await policy.describe(timeout_s=60)
-
-    with pytest.raises(FailedPrecondition) as caught:
-        asyncio.run(describe())
-    assert_refused(caught.value, "policy", servers["policy"].target)
+        asyncio.run(describe(servers[role].target))
+    assert_refused(caught.value, service, servers[role].target)
 
 
 def test_learner_stream_refuses_a_learner_of_protocol_2(servers: dict[str, ServerProcess]) -> None:
