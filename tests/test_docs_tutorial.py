@@ -48,6 +48,12 @@ def test_the_tutorial_runs_as_written(tmp_path: Path) -> None:
         checked = run(conformance, tmp_path, 300)
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-2000:]
         assert "conforms" in checked.stdout and "reference_reaches_max" in checked.stdout
+        # The output the page shows is the kit's own, and the lines it leaves out are as many as it says.
+        shown, left_out = re.search(r"sciproto conformance env.*?```text\n(.*?)```\n\n\((\d+) more `PASS` lines",
+                                    PAGE, re.DOTALL).groups()
+        real = checked.stdout.replace(server.target, "127.0.0.1:50051").splitlines()
+        assert [line for line in shown.splitlines() if line not in real] == [], checked.stdout
+        assert sum(line.startswith("PASS") for line in real) - shown.count("PASS ") == int(left_out), checked.stdout
 
         runs = tmp_path / "runs"
         train = [*command("sciproto train"), "--set", f"run.dir={runs}", "--set", "budget.max_steps=2",
