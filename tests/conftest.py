@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 # Aviary imports litellm, which otherwise fetches a price list over the network.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -25,6 +26,10 @@ def _bwrap_problem() -> str | None:
 # the sandbox skip and the other notebook tests run it with `sandbox: none`.
 BWRAP_PROBLEM = _bwrap_problem()
 NOTEBOOK_SANDBOX = "bwrap" if BWRAP_PROBLEM is None else "none"
+
+# This test process sees no network interface but loopback: the namespace scripts/test.sh runs
+# pytest in (where Ray, which reaches outside when it starts, may run as a cluster).
+LOOPBACK_ONLY = [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
 # Test files that start a training run, a real engine (vLLM, Ray, Slurm), a browser, a compiler or

@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import LOOPBACK_ONLY
+
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "guides" / "several-machines.md"
 BIN = Path(sys.executable).parent
@@ -77,10 +79,6 @@ def end(groups: set[int]) -> set[int]:
     return processes_of(groups)
 
 
-def loopback_only() -> bool:
-    return [name for _, name in socket.if_nameindex()] == ["lo"]
-
-
 def ray_json(ray: Any, *args: str) -> list[dict[str, Any]]:
     result = ray(*args, "--format", "json", timeout_s=60)
     assert result.returncode == 0, result.stdout
@@ -88,7 +86,7 @@ def ray_json(ray: Any, *args: str) -> list[dict[str, Any]]:
 
 
 def test_two_nodes_by_ray_start_and_ray_job_submit_train_the_demo_through_a_lost_node(tmp_path: Path) -> None:
-    if not loopback_only():
+    if not LOOPBACK_ONLY:
         reason = "needs a loopback-only network namespace (scripts/test.sh runs the tests in one)"
         if os.environ.get("CI"):
             pytest.fail(reason)

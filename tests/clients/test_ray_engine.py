@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -20,10 +19,12 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import LOOPBACK_ONLY
+
 # Local nodes on loopback. In the loopback-only network namespace of scripts/test.sh Ray finds
 # 127.0.0.1 by itself; elsewhere (pytest run by hand) Ray's single-machine mode gives it (set before
 # Ray is imported, which reads it then). Never for a real cluster.
-if [name for _, name in socket.if_nameindex()] != ["lo"]:
+if not LOOPBACK_ONLY:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need the sciproto[ray] extra")
