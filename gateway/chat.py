@@ -89,11 +89,14 @@ class ChatCall:
     stream: bool = False
     include_usage: bool = False
 
+    def sampling_params(self) -> policy_pb2.SamplingParams:
+        """The sampling the call asks Generate for (unset fields: the policy server's defaults)."""
+        return policy_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                         max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
+
     def generate_request(self, previous_token_ids: list[int], request_id: str) -> policy_pb2.GenerateRequest:
-        sampling = policy_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                             max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
         chat = policy_pb2.ChatPrompt(messages=self.messages, tools=self.tools, previous_token_ids=previous_token_ids)
-        return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling, n=self.n)
+        return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=self.sampling_params(), n=self.n)
 
 
 @dataclass

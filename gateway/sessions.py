@@ -111,9 +111,9 @@ class Session:
         if plan.continued is not None and extends:
             plan.continued[0].chosen = plan.continued[1]
         segment = (self.calls[-1].segment + (0 if extends else 1)) if self.calls else 0
-        sent = policy_pb2.SamplingParams(temperature=call.temperature, top_p=call.top_p, top_k=call.top_k)
         record = CallRecord(segment, extends, reason, prompt_ids, policy_version, call.messages,
-                            call.normal_messages, call.normal_tools, choices, sampling=distribution_from_pb(sent))
+                            call.normal_messages, call.normal_tools, choices,
+                            sampling=distribution_from_pb(call.sampling_params()))
         self.calls.append(record)
         return record
 
