@@ -13,7 +13,7 @@ from gateway.errors import ApiError
 from sciproto.pb import common_pb2, policy_pb2
 
 __all__ = ["FINISH_NAMES", "KNOWN", "ChatCall", "Choice", "check_fields", "chunk_object", "completion_object",
-           "parse_chat_request"]
+           "is_neutral", "parse_chat_request"]
 
 _ROLES = {"system": common_pb2.ROLE_SYSTEM, "developer": common_pb2.ROLE_SYSTEM, "user": common_pb2.ROLE_USER,
           "assistant": common_pb2.ROLE_ASSISTANT, "tool": common_pb2.ROLE_TOOL}
@@ -252,7 +252,7 @@ def _top_p(body: dict[str, Any]) -> float | None:
     return value
 
 
-def _is_neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+def is_neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     """`value` is null or one of `allowed`, compared as JSON compares (true is not 1)."""
     if value is None:
         return True
@@ -277,7 +277,7 @@ def check_fields(body: dict[str, Any]) -> None:
         if key not in KNOWN:
             raise ApiError(400, f"unknown parameter {key!r}: this gateway takes OpenAI's chat-completions fields "
                            "(and the top_k extension); leave it out", param=key, code="unknown_parameter")
-        if key in NEUTRAL and not _is_neutral(value, NEUTRAL[key]):
+        if key in NEUTRAL and not is_neutral(value, NEUTRAL[key]):
             raise ApiError(400, f"{key}={_short(value)} is not supported: {_REFUSALS[key]}", param=key,
                            code="unsupported_parameter")
         kind = BOOKKEEPING.get(key)

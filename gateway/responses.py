@@ -10,7 +10,7 @@ import re
 import uuid
 from typing import Any
 
-from gateway.chat import ChatCall, Choice, parse_chat_request
+from gateway.chat import ChatCall, Choice, is_neutral, parse_chat_request
 from gateway.errors import ApiError
 
 __all__ = ["KNOWN", "as_responses_error", "chat_body", "output_items", "parse_responses_request", "response_object"]
@@ -66,7 +66,8 @@ def _text_options(text: Any) -> None:
             raise ApiError(400, "text.verbosity is not supported: the policy has no verbosity setting; leave it out",
                            param="text.verbosity", code="unsupported_parameter")
         if key not in ("format", "verbosity"):
-            raise ApiError(400, f"unknown parameter text.{key}", param=f"text.{key}", code="unknown_parameter")
+            raise ApiError(400, f"unknown parameter text.{key}: send text={{'format': {{'type': 'text'}}}} or leave "
+                           "it out", param=f"text.{key}", code="unknown_parameter")
 
 
 def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
@@ -78,7 +79,7 @@ def chat_body(body: Any) -> tuple[dict[str, Any], list[str]]:
         if key not in KNOWN:
             raise ApiError(400, f"unknown parameter {key!r}: this gateway takes the Responses API's fields (and "
                            "the seed and top_k extensions); leave it out", param=key, code="unknown_parameter")
-        if key in _NEUTRAL and value is not None and value not in _NEUTRAL[key][0]:
+        if key in _NEUTRAL and not is_neutral(value, _NEUTRAL[key][0]):
             raise ApiError(400, f"{key} is not supported at {value!r}: {_NEUTRAL[key][1]}", param=key,
                            code="unsupported_parameter")
     _text_options(body.get("text"))
