@@ -57,6 +57,8 @@ __all__ = ["SESSION_HEADER", "Gateway"]
 
 log = logging.getLogger("gateway")
 SESSION_HEADER = "X-Sciproto-Session"
+_ROUTES = ("the model routes are /v1/chat/completions, /v1/responses, /v1/messages and /v1/models, each also "
+           "under /s/{session}")
 # The authenticator's words are for gRPC callers (metadata, ChannelConfig); an HTTP caller is told
 # what to send in its own terms.
 _HTTP_AUTH_MESSAGES = {
@@ -124,8 +126,11 @@ class Gateway:
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            api = ApiError(error.status, f"{request.method} {request.path}: {error.reason}",
-                           code="not_found" if error.status == 404 else None)
+            said = f"{request.method} {request.path}: {error.reason}"
+            if error.status == 404:
+                said += (f"; {_ROUTES}: check the client's base URL (the openai SDK's ends in /v1, the anthropic "
+                         "SDK's does not)")
+            api = ApiError(error.status, said, code="not_found" if error.status == 404 else None)
             return web.json_response(api.body(), status=api.status)
 
     def _principal(self, request: web.Request, role: AuthRole, *, charge: bool = True) -> str:

@@ -106,7 +106,10 @@ def test_a_body_that_is_not_json_gets_an_error_object(gateway: ServerProcess) ->
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     response = httpx.get(f"http://{gateway.target}/v1/nothing", timeout=30)
-    assert response.status_code == 404 and "error" in response.json()
+    assert response.status_code == 404 and "base URL" in response.json()["error"]["message"]
+    # The anthropic SDK given the openai SDK's base URL: told which routes exist.
+    response = httpx.post(f"http://{gateway.target}/s/x/v1/v1/messages", json={}, timeout=30)
+    assert response.status_code == 404 and "/v1/messages" in response.json()["error"]["message"]
 
 
 def test_the_responses_api_answers_and_streams_the_same_text(client: openai.OpenAI) -> None:
