@@ -38,7 +38,7 @@ from clients.train.flow import Flow, GroupLedger
 from clients.train.producers import GroupSink, Production, open_tasks, produce
 from clients.train.records import StepRecord, TrainOutcome
 from clients.train.stream import LearnerStream
-from clients.train.task_stats import TaskStats, TaskStatsFile
+from clients.train.task_stats import TaskStatsFile
 from sciproto.errors import from_rpc_error
 from sciproto.rundir import ROLLOUTS_FILE
 
@@ -77,15 +77,6 @@ async def run_rollouts_into_learner(
     outcome = TrainOutcome(run_dir=str(run_dir))
     learner = LearnerStream(learner_target, ledger, status, rollout.learner_reconnect_s)
     started = time.monotonic()
-    stats_holder: list[TaskStats] = []  # the task stream's statistics, once the tasks are open
-    stats_file = TaskStatsFile(run_dir, config.learner.checkpoint_every)
-
-    def stepped(record: StepRecord, outcome: TrainOutcome) -> None:
-        if stats_holder:
-            stats_file.save(stats_holder[0], record.step)
-        on_step(record, outcome)
-
-    events = LearnerEvents(config.budget, flow, ledger, status, outcome, learner, stop, started, stepped)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     env_targets = [env_target] if isinstance(env_target, str) else list(env_target)
@@ -97,7 +88,13 @@ async def run_rollouts_into_learner(
                 policy_pool(policy_targets, **moves.get("policy", {})) as policy):
         # 1. Tasks.
         tasks = await open_tasks(rollout, env, run_dir, flow, status)
-        stats_holder.append(tasks.stats)
+        stats_file = TaskStatsFile(run_dir, config.learner.checkpoint_every)
+
+        def stepped(record: StepRecord, outcome: TrainOutcome) -> None:
+            stats_file.save(tasks.stats, record.step)
+            on_step(record, outcome)
+
+        events = LearnerEvents(config.budget, flow, ledger, status, outcome, learner, stop, started, stepped)
         with (
             (run_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as rollouts_file,
             (run_dir / "rollouts.failures.jsonl").open("w", encoding="utf-8") as failures_file,

@@ -137,15 +137,14 @@ class GroupSink:
     outcome: TrainOutcome
     rollouts_file: IO[str]
     failures_file: IO[str]
-    stats: TaskStats | None = None
+    stats: TaskStats  # the task stream's, which judges the tasks by the groups counted here
 
     def send(self, group: RolloutGroup, epoch: int) -> None:
         """Write a finished group's records, count its outcome for its task and send it to the
         learner (in the ledger)."""
         group_id, records = with_epoch(group, epoch)
-        if self.stats is not None:
-            self.stats.record(group)
-            self.status.tasks_set_aside = len(self.stats.aside)
+        self.stats.record(group)
+        self.status.tasks_set_aside = len(self.stats.aside)
         for record in records:
             sink = self.failures_file if record.status is RolloutStatus.INFRA_ERROR else self.rollouts_file
             sink.write(record.to_json_line(self.rollout.rollouts_file))

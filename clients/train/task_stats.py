@@ -38,6 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.curriculum import Curriculum
+from clients.train.resume import trained_steps
 from sciproto.client.rollouts import RolloutGroup, RolloutStatus, TaskKey
 from sciproto.rundir import TASK_STATS_FILE, checkpoint_step, latest_checkpoint
 
@@ -212,8 +213,7 @@ class TaskStatsFile:
         """Write the snapshot of optimizer step `step` (replacing one of the same step), keeping the
         snapshots a resume may still need (the newest at or before the latest complete checkpoint,
         and later ones at checkpoint steps); atomically (a temporary file renamed into place)."""
-        latest = latest_checkpoint(self.run_dir)
-        floor = (checkpoint_step(latest) or 0) if latest is not None else 0
+        floor = trained_steps(self.run_dir)  # the latest complete checkpoint's step
         earlier = [s for s in self.kept if s != step]
         resumable = max((s for s in earlier if s <= floor), default=None)
         self.kept = {s: self.kept[s] for s in sorted(earlier) if s == resumable
