@@ -164,7 +164,9 @@ def test_two_nodes_by_ray_start_and_ray_job_submit_train_the_demo_through_a_lost
         shutil.rmtree(temp, ignore_errors=True)
     assert not left, f"processes of this test's Ray outlived it: {sorted(left)}"
     # Each server the lost node hosted was restarted by Ray (on the head, the only node left).
-    assert all(after[actor]["num_restarts"] >= 1 for actor in lost), [after[actor] for actor in lost]
+    assert all(after[actor]["num_restarts"] >= 1 for actor in lost), json.dumps(
+        [{key: after[actor].get(key) for key in ("repr_name", "state", "num_restarts", "node_id", "death_cause")}
+         for actor in lost], default=str)
     summary = json.loads((runs / "demo" / "summary.json").read_text())
     assert [step["step"] for step in summary["steps"]] == list(range(1, 9))
     # The guide gives the same commands (addresses, ports and sizes aside).
