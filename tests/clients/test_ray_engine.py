@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -183,7 +184,7 @@ def test_the_demo_command_as_typed_trains_on_a_local_ray_sized_for_its_servers(t
 
 def test_a_placement_larger_than_the_cluster_or_a_slow_start_is_refused_in_one_line(tmp_path: Path) -> None:
     """Asked for more than the cluster has: refused before any actor starts, naming both. A server
-    that does not start in time: named by its role (the only env server is not "server 0"), with
+    that does not start in time: named by its role (the only env server is not "server 0", whichever role is still silent), with
     its log and what to run next. Both advise --debug, which --help shows."""
     result, left = train_as_typed(tmp_path / "small", "--set", "cluster.num_cpus=1", timeout_s=180)
     lines = result.stderr.strip().splitlines()[-2:]  # (before them: the run directory, Ray's own notices)
@@ -197,8 +198,11 @@ def test_a_placement_larger_than_the_cluster_or_a_slow_start_is_refused_in_one_l
     result, left = train_as_typed(tmp_path / "slow", "--set", "cluster.start_timeout_s=1", timeout_s=180)
     lines = result.stderr.strip().splitlines()[-2:]  # (before them: the run directory, Ray's own notices)
     assert result.returncode == 1 and len(lines) == 2, result.stderr[-3000:]
-    assert lines[0].startswith("sciproto train: error: the env server on Ray did not start"), lines[0]
-    assert f"(its log: {tmp_path / 'slow' / 'demo' / 'env.log'})" in lines[0], lines[0]
+    # Which server is still silent at 1 s depends on the machine (a quiet one starts the env
+    # server in time and the policy server not): either way it is named by its role and its log.
+    said = re.match(r"sciproto train: error: the (env|policy) server on Ray did not start within 1 s ", lines[0])
+    assert said, lines[0]
+    assert f"(its log: {tmp_path / 'slow' / 'demo' / said[1]}.log)" in lines[0], lines[0]
     assert "server 0" not in lines[0]
     assert not left, f"processes of the run's Ray outlived it: {sorted(left)}"
 
