@@ -43,7 +43,8 @@ class TrainSequence:
     loss_mask: torch.Tensor  # [T] float, 1 where trained
     rollout_logprobs: torch.Tensor  # [T] float, mu
     advantage: float
-    # [T] long: the policy version that sampled each trained token (-1 elsewhere); None: unknown.
+    # [T] long: the policy version that sampled each trained token whole (`whole_versions`; -1
+    # elsewhere); None: unknown.
     policy_versions: torch.Tensor | None = None
     # Its group's place in the batch (-1: none): the packing keeps a group's sequences together.
     group: int = -1
@@ -169,13 +170,27 @@ def sampling_tensor(sample: TrainSample, temperature: float) -> torch.Tensor:
     return table
 
 
+def whole_versions(sample: TrainSample) -> list[int]:
+    """The version that computed everything each token's distribution depended on, -1 where no
+    single one did. A policy turn (a maximal run of trained tokens) runs on one KV cache: an update
+    that lands mid-turn leaves the turn's prompt and earlier tokens computed by the old weights, and
+    the tokens after it are drawn by the new weights over that cache. So a token keeps its version
+    only when its turn started at that version."""
+    whole, start = [], -1
+    for t, (version, trained) in enumerate(zip(sample.policy_versions, sample.loss_mask)):
+        if trained and not (t and sample.loss_mask[t - 1]):
+            start = version  # the turn's first token: prefilled and sampled by this version
+        whole.append(version if trained and version == start else -1)
+    return whole
+
+
 def _to_sequence(sample: TrainSample, advantage: float, group: int, temperature: float) -> TrainSequence:
     return TrainSequence(
         token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
         loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
         rollout_logprobs=torch.tensor(sample.rollout_logprobs, dtype=torch.float32),
         advantage=advantage,
-        policy_versions=torch.tensor(sample.policy_versions, dtype=torch.long),
+        policy_versions=torch.tensor(whole_versions(sample), dtype=torch.long),
         group=group,
         sampling=sampling_tensor(sample, temperature),
     )
@@ -322,7 +337,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T-1]
     rollout_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
-    policy_versions: torch.Tensor  # [B, T-1] long, -1 where unknown or not trained
+    # [B, T-1] long: the version that sampled each token whole (`whole_versions`), -1 where
+    # unknown, not trained, or drawn over the KV cache of an older version
+    policy_versions: torch.Tensor
     # [B, T-1, 3] float: (temperature, top_p, top_k) each predicted token was sampled under
     sampling: torch.Tensor
 

@@ -5,8 +5,8 @@ metrics.jsonl holds one JSON object per optimizer step, among them:
 
     step, policy_version, groups, reward_mean, reward_std, reward_min, reward_max,
     frac_all_equal_groups, loss, entropy, clip_frac_low, clip_frac_high, is_weight_mean,
-    is_weight_max, is_frac_truncated, mismatch (= mismatch_engine on the tokens sampled at the
-    learner's current version and staleness_shift on older ones, weighted by stale_token_frac;
+    is_weight_max, is_frac_truncated, mismatch (= mismatch_engine on the tokens sampled whole at
+    the learner's current version and staleness_shift on the others, weighted by stale_token_frac;
     null when a batch has no token of that kind), grad_norm, policy_lag_mean, policy_lag_max,
     groups settled since the previous step: groups_consumed, groups_dropped_stale (when this
     step took its batch), groups_refused_stale, groups_skipped_equal, groups_refused_invalid

@@ -57,10 +57,11 @@ class StepMetrics(BaseModel):
     is_frac_truncated: float = 0.0
     # mean exp|log pi_old - log mu| over the trained tokens (pi_old: the learner's weights before
     # this batch): 1.0 when the learner and the policy servers agree exactly. It mixes two things,
-    # reported apart: mismatch_engine over the tokens sampled at the learner's current version
-    # (the same weights on both sides, so only the engines differ: kernels, dtype, sampling), and
-    # staleness_shift over the tokens sampled by older versions (the updates since then, and the
-    # engine). None when the batch has no token of that kind; stale_token_frac the older share.
+    # reported apart: mismatch_engine over the tokens sampled whole at the learner's current
+    # version (the same weights on both sides, so only the engines differ: kernels, dtype,
+    # sampling), and staleness_shift over the others: tokens sampled by older versions, and those
+    # of a turn that an update reached mid-way, drawn by the new weights over the KV cache of the
+    # old ones (learner.grpo.whole_versions) (the updates since then, and the engine). None when the batch has no token of that kind; stale_token_frac the older share.
     mismatch: float = 0.0
     mismatch_engine: float | None = None
     staleness_shift: float | None = None

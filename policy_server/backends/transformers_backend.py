@@ -5,7 +5,9 @@ idle it keeps collecting arrivals until none has come for `batch_window_s` (at m
 `BATCH_WINDOW_LIMIT` windows in all, so a steady trickle cannot hold the first back), prefills them
 together and decodes all their samples in one batched loop over a shared KV cache. Calls that arrive while a batch is decoding
 are prefilled and merged into it between two decode steps. Weight updates are applied between
-decode steps too, so every token is sampled from exactly one policy version.
+decode steps too: each token is sampled by one version's weights, and a sample running across an
+update goes on over the KV cache the old weights computed (its version spans say where; the
+learner counts those tokens as sampled by no single version, `learner.grpo.whole_versions`).
 """
 
 from __future__ import annotations

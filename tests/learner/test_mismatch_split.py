@@ -4,6 +4,7 @@ older version, where the policy has moved on by design)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
@@ -14,6 +15,9 @@ from learner_fixtures import make_group, tiny_model
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
+from policy_server.backends.transformers_backend import TransformersBackend
+from policy_server.types import ChatMessage, GenerationRequest, SampleResult, SamplingParams, VersionSpan
+from sciproto.models import load_model
 
 
 def _sampled_by(model: torch.nn.Module, sample: TrainSample, version: int, shift: float) -> TrainSample:
@@ -60,3 +64,55 @@ def test_a_batch_of_one_kind_reports_no_figure_for_the_other() -> None:
     assert metrics.mismatch_engine == pytest.approx(1.0, abs=1e-4)
     assert metrics.staleness_shift is None and metrics.stale_token_frac == 0.0
     assert "staleness_shift" in metrics.model_dump()  # logged as null, not left out
+
+
+def test_tokens_after_an_update_that_landed_mid_sample_are_not_counted_as_the_engines() -> None:
+    """The transformers backend takes an update between two decode steps: a sample running across
+    it goes on with the new weights over the KV cache the old ones computed (its prompt and tokens
+    so far are not recomputed), so no single version sampled its later tokens. The learner at the
+    new version must count them with the stale tokens, not in mismatch_engine, which stays the
+    engine's own mismatch: 1 on the samples drawn whole by the new weights."""
+    served = load_model("tiny", seed=0)
+    backend = TransformersBackend(served, stream_interval=4)
+    generator = torch.Generator().manual_seed(11)
+    new = {s.name: torch.randn(s.shape, generator=generator) * 0.3 for s in backend.weight_manifest()}
+
+    def request(text: str, seed: int) -> GenerationRequest:
+        return GenerationRequest(messages=[ChatMessage("user", text)],
+                                 sampling=SamplingParams(max_tokens=200, seed=seed, n=2))
+
+    async def results() -> list[SampleResult]:
+        async def one(text: str, seed: int) -> list[SampleResult]:
+            return [event async for event in backend.generate(request(text, seed)) if isinstance(event, SampleResult)]
+        running = [asyncio.create_task(one("q" * i, i)) for i in range(1, 5)]
+        while not any(row.tokens for row in backend._rows):
+            await asyncio.sleep(0.001)
+        await backend.update_weights(1, new)
+        after = [asyncio.create_task(one("r" * i, 10 + i)) for i in range(1, 5)]
+        done = [r for batch in await asyncio.gather(*running, *after) for r in batch]
+        await backend.close()
+        return done
+
+    samples = asyncio.run(results())
+    split = [r for r in samples if len(r.version_spans) == 2]
+    assert split and any(r.version_spans == [VersionSpan(0, len(r.completion_token_ids), 1)] for r in samples)
+
+    def train_sample(result: SampleResult, reward: float) -> TrainSample:
+        prompt, completion = list(result.prompt_token_ids), list(result.completion_token_ids)
+        versions = [-1] * len(prompt)
+        for span in result.version_spans:
+            versions += [span.version] * (span.end - span.start)
+        return TrainSample(token_ids=prompt + completion, loss_mask=[0] * len(prompt) + [1] * len(completion),
+                           rollout_logprobs=[0.0] * len(prompt) + list(result.logprobs), policy_versions=versions,
+                           reward=reward)
+
+    group = RolloutGroup(group_id="across-an-update", task="toy",
+                         samples=[train_sample(r, float(i % 2)).model_copy(update={"sample_index": i})
+                                  for i, r in enumerate(samples)])
+    learner = load_model("tiny", seed=0).model.requires_grad_(True)  # (loaded to serve: no gradients)
+    learner.load_state_dict(new, strict=False)
+    trainer = GRPOTrainer(learner, GRPOConfig(micro_batch_tokens=4096))
+    trainer.policy_version = 1
+    metrics = trainer.train_step([group])
+    assert metrics.mismatch_engine == pytest.approx(1.0, abs=1e-3), metrics.mismatch_engine
+    assert metrics.staleness_shift is not None and metrics.stale_token_frac > 0

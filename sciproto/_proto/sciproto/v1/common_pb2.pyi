@@ -398,7 +398,12 @@ Global___Provenance: _TypeAlias = Provenance  # noqa: Y015
 
 @_typing.final
 class VersionSpan(_message.Message):
-    """Tokens [start, end) of a sample were produced by policy version `policy_version`."""
+    """Tokens [start, end) of a sample were sampled by the weights of policy version
+    `policy_version`. A span that starts after 0 began with an update that landed
+    mid-sample: its tokens were drawn by the new weights over the KV cache that the
+    earlier span's weights computed (the prompt and the tokens before), which is
+    not recomputed; a learner counts them as sampled by no single version.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
