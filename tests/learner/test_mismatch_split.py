@@ -16,7 +16,13 @@ from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
 from policy_server.backends.transformers_backend import TransformersBackend
-from policy_server.types import ChatMessage, GenerationRequest, SampleResult, SamplingParams, VersionSpan
+from policy_server.types import (
+    ChatMessage,
+    GenerationRequest,
+    SampleResult,
+    SamplingParams,
+    VersionSpan,
+)
 from sciproto.models import load_model
 
 
