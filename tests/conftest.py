@@ -46,6 +46,16 @@ SLOW_FILES = (
 )
 SLOW_FOLDERS = ("reliability",)
 
+# scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). Each file's tests
+# go to one worker together, so a module's servers start once; the files that start a Ray cluster
+# (Slurm's recipe starts one too) form one group, so no two Ray clusters run at once.
+ONE_AT_A_TIME = {"ray": ("test_ray_engine", "test_ray_job_submit", "test_slurm_recipe")}
+
+
+def xdist_group(path) -> str:
+    """The pytest-xdist group of a test file's tests: its shared group, else the file itself."""
+    return next((group for group, stems in ONE_AT_A_TIME.items() if path.stem in stems), str(path))
+
 
 def pytest_collection_modifyitems(config, items):
     import pytest
@@ -54,3 +64,5 @@ def pytest_collection_modifyitems(config, items):
         name = f"_{item.path.stem}_"
         if item.path.parent.name in SLOW_FOLDERS or any(f"_{words}_" in name for words in SLOW_FILES):
             item.add_marker(pytest.mark.slow)
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
