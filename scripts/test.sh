@@ -72,10 +72,13 @@ for arg in "$@"; do
   # the suite's time): what tests/conftest.py does not mark slow.
   if [[ $arg == --quick ]]; then args+=(-m "not slow"); else args+=("$arg"); fi
 done
-# Two workers (pytest-xdist): most of a test's time is spent waiting for the servers it starts, so
-# a second test fills the other core; tests/conftest.py keeps each file's tests on one worker and the
-# Ray tests one at a time. SCIPROTO_TEST_WORKERS=0 runs everything in this process.
-pytest=(.venv/bin/python -m pytest -q -n "${SCIPROTO_TEST_WORKERS:-2}" --dist loadgroup "${args[@]}")
+# SCIPROTO_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/conftest.py keeps each
+# file's tests on one worker and the Ray tests one at a time): about 0.7x the serial time on two
+# cores. Serial by default: a test that restarts a server on its old port can meet another worker's
+# server there.
+workers=()
+if [[ ${SCIPROTO_TEST_WORKERS:-0} != 0 ]]; then workers=(-n "$SCIPROTO_TEST_WORKERS" --dist loadgroup); fi
+pytest=(.venv/bin/python -m pytest -q "${workers[@]}" "${args[@]}")
 # pytest runs in a network namespace of its own whose only interface is loopback: nothing a test
 # starts (servers, browsers, Ray, whose dashboard probes the cloud metadata address) reaches
 # anything but this machine. Everything fetched from a registry is fetched above, before it.

@@ -46,8 +46,8 @@ SLOW_FILES = (
 )
 SLOW_FOLDERS = ("reliability",)
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). Each file's tests
-# go to one worker together, so a module's servers start once; the files that start a Ray cluster
+# With SCIPROTO_TEST_WORKERS=N, scripts/test.sh runs on N pytest-xdist workers (`--dist loadgroup`).
+# Each file's tests go to one worker together, so a module's servers start once; the files that start a Ray cluster
 # (Slurm's recipe starts one too) form one group, so no two Ray clusters run at once.
 ONE_AT_A_TIME = {"ray": ("test_ray_engine", "test_ray_job_submit", "test_slurm_recipe")}
 
