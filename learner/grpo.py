@@ -170,27 +170,27 @@ def sampling_tensor(sample: TrainSample, temperature: float) -> torch.Tensor:
     return table
 
 
-def whole_versions(sample: TrainSample) -> list[int]:
-    """The version that computed everything each token's distribution depended on, -1 where no
-    single one did. A policy turn (a maximal run of trained tokens) runs on one KV cache: an update
-    that lands mid-turn leaves the turn's prompt and earlier tokens computed by the old weights, and
-    the tokens after it are drawn by the new weights over that cache. So a token keeps its version
-    only when its turn started at that version."""
-    whole, start = [], -1
-    for t, (version, trained) in enumerate(zip(sample.policy_versions, sample.loss_mask)):
-        if trained and not (t and sample.loss_mask[t - 1]):
-            start = version  # the turn's first token: prefilled and sampled by this version
-        whole.append(version if trained and version == start else -1)
-    return whole
+def whole_versions(versions: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """[T] long: the version that computed everything each token's distribution depended on, -1
+    where no single one did (and where nothing is trained). A policy turn (a maximal run of trained
+    tokens) runs on one KV cache: an update that lands mid-turn leaves the turn's prompt and earlier
+    tokens computed by the old weights, and the tokens after it are drawn by the new weights over
+    that cache. So a token keeps its version only when its turn started at that version."""
+    trained = trained.bool()
+    starts = trained & ~F.pad(trained[:-1], (1, 0))  # each turn's first token: prefilled and sampled by its version
+    turn = torch.cumsum(starts, 0) - 1  # the turn of each token (-1 before the first)
+    started_at = versions[starts][turn.clamp(min=0)] if bool(starts.any()) else versions
+    return torch.where(trained & (versions == started_at), versions, torch.full_like(versions, -1))
 
 
 def _to_sequence(sample: TrainSample, advantage: float, group: int, temperature: float) -> TrainSequence:
+    loss_mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
     return TrainSequence(
         token_ids=torch.tensor(sample.token_ids, dtype=torch.long),
-        loss_mask=torch.tensor(sample.loss_mask, dtype=torch.float32),
+        loss_mask=loss_mask,
         rollout_logprobs=torch.tensor(sample.rollout_logprobs, dtype=torch.float32),
         advantage=advantage,
-        policy_versions=torch.tensor(whole_versions(sample), dtype=torch.long),
+        policy_versions=whole_versions(torch.tensor(sample.policy_versions, dtype=torch.long), loss_mask),
         group=group,
         sampling=sampling_tensor(sample, temperature),
     )
