@@ -88,11 +88,18 @@ def test_tokens_after_an_update_that_landed_mid_sample_are_not_counted_as_the_en
                                  sampling=SamplingParams(max_tokens=200, seed=seed, n=2))
 
     async def results() -> list[SampleResult]:
+        streaming = asyncio.Event()  # a first delta came: the samples are running
+
         async def one(text: str, seed: int) -> list[SampleResult]:
-            return [event async for event in backend.generate(request(text, seed)) if isinstance(event, SampleResult)]
+            done = []
+            async for event in backend.generate(request(text, seed)):
+                if isinstance(event, SampleResult):
+                    done.append(event)
+                else:
+                    streaming.set()
+            return done
         running = [asyncio.create_task(one("q" * i, i)) for i in range(1, 5)]
-        while not any(row.tokens for row in backend._rows):
-            await asyncio.sleep(0.001)
+        await asyncio.wait_for(streaming.wait(), timeout=60)
         await backend.update_weights(1, new)
         after = [asyncio.create_task(one("r" * i, 10 + i)) for i in range(1, 5)]
         done = [r for batch in await asyncio.gather(*running, *after) for r in batch]
