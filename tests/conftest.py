@@ -29,7 +29,8 @@ NOTEBOOK_SANDBOX = "bwrap" if BWRAP_PROBLEM is None else "none"
 
 # This test process sees no network interface but loopback: the namespace scripts/test.sh runs
 # pytest in (where Ray, which reaches outside when it starts, may run as a cluster).
-LOOPBACK_ONLY = [name for _, name in socket.if_nameindex()] == ["lo"]
+INTERFACES = [name for _, name in socket.if_nameindex()]  # the network interfaces this test run sees
+LOOPBACK_ONLY = INTERFACES == ["lo"]
 
 
 # Test files that start a training run, a real engine (vLLM, Ray, Slurm), a browser, a compiler or

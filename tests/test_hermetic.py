@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from tests.conftest import LOOPBACK_ONLY
+from tests.conftest import INTERFACES, LOOPBACK_ONLY
 
 UNISOLATED = os.environ.get("SCIPROTO_TEST_NETWORK") == "host" and not os.environ.get("CI")
 
@@ -22,7 +22,7 @@ UNISOLATED = os.environ.get("SCIPROTO_TEST_NETWORK") == "host" and not os.enviro
 @pytest.mark.skipif(UNISOLATED, reason="scripts/test.sh could not create a loopback-only network namespace here")
 def test_the_only_network_interface_is_loopback() -> None:
     assert LOOPBACK_ONLY, (
-        f"this test run sees the interfaces {socket.if_nameindex()}: run the suite with scripts/test.sh, which runs "
+        f"this test run sees the interfaces {INTERFACES}: run the suite with scripts/test.sh, which runs "
         "it in a network namespace whose only interface is lo")
 
 
@@ -30,7 +30,7 @@ def test_the_only_network_interface_is_loopback() -> None:
 def test_an_address_off_the_machine_cannot_be_reached() -> None:
     # The cloud metadata address Ray's dashboard probes at start-up: no route, refused at once. Probed
     # only where lo is the only interface, so that this test itself never sends a packet off the machine.
-    assert LOOPBACK_ONLY, f"not probing an outside address with the interfaces {socket.if_nameindex()} up"
+    assert LOOPBACK_ONLY, f"not probing an outside address with the interfaces {INTERFACES} up"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(2)
         code = probe.connect_ex(("169.254.169.254", 80))
