@@ -6,7 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policy_server.backends.options import OpenAIOptions, TransformersOptions, VllmSettings
+from policy_server.backends.options import (
+    AdapterOptions,
+    OpenAIOptions,
+    TransformersOptions,
+    VllmSettings,
+)
 from sciproto.auth import AuthConfig
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
@@ -41,6 +46,7 @@ class PolicyServerConfig(BaseModel):
     max_samples_per_request: int = Field(64, ge=1, description="Largest n a Generate request may ask for")
     transformers: TransformersOptions = Field(default_factory=TransformersOptions)
     weights: WeightUpdateOptions = Field(default_factory=WeightUpdateOptions)
+    adapters: AdapterOptions = Field(default_factory=AdapterOptions, description="LoRA adapters beside the base weights")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="Settings of the vllm backend")
     openai: OpenAIOptions | None = Field(
         None, description="Settings of the openai backend: the endpoint it serves from (needed with backend openai)")

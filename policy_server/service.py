@@ -20,6 +20,12 @@ declares the capability (policy_server.backends.registry). A backend may still n
 `receive_weights_nccl` and its capability `weight_updates_nccl`, the names before protocol 1.3,
 for a release.
 
+LoRA adapters (protocol 1.4): a backend whose plug-in declares `lora_adapters` and that implements
+`AdapterBackend` holds named adapters beside its base weights. A header with `adapter` set carries
+that adapter's tensors (gRPC chunks only), checked against the adapter's manifest and digests like
+any update, and versioned per adapter; a Generate names its adapter, and its prompt event and version
+spans carry that adapter's versions. Describe lists the adapters.
+
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
 NOT_SERVING on its health service and refuses Generate with UNAVAILABLE (reason
@@ -38,7 +44,7 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.trace import Span
 
 from policy_server import convert
-from policy_server.backends.base import PolicyBackend
+from policy_server.backends.base import AdapterBackend, PolicyBackend
 from policy_server.backends.registry import Capability
 from policy_server.config import PolicyServerConfig
 from policy_server.tokenizing import PromptTooLong, Tokenizing
@@ -47,10 +53,13 @@ from sciproto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Reason,
+    ResourceExhausted,
     Unavailable,
     Unimplemented,
 )
+from sciproto.lora import LoraSpec
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
 from sciproto.server import server_info
 from sciproto.tracing import Attr, Operation, span_for_request, span_name
@@ -89,6 +98,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._update_lock = asyncio.Lock()
         self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
         self._serving_digests = DigestCheck(None)  # the checked tensor digests of the update serving now
+        # Per adapter: WeightsProvenance.run_id and the checked set digest of its update serving now.
+        self._adapter_provenance: dict[str, tuple[str, bytes]] = {}
         # The server's health service (set by the app once the server runs): NOT_SERVING while the
         # backend's weights are unavailable.
         self.health: object | None = None
@@ -111,7 +122,40 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             weights_digest=self._serving_digests.set_digest,
             serving_tensors=[policy_pb2.TensorSpec(name=name, digest=digest)
                              for name, digest in self._serving_digests.tensors],
+            **self._describe_adapters(),
         )
+
+    def _adapter_backend(self) -> AdapterBackend | None:
+        """The backend as an AdapterBackend when it serves adapters now, else None."""
+        backend = self._backend
+        if (Capability.LORA_ADAPTERS in self._declared and isinstance(backend, AdapterBackend)
+                and backend.max_adapters > 0 and backend.info().supports_weight_updates):
+            return backend
+        return None
+
+    def _describe_adapters(self) -> dict:
+        backend = self._adapter_backend()
+        if backend is None:
+            return {}
+        adapters = []
+        for name, state in sorted(backend.adapters().items()):
+            run_id, digest = self._adapter_provenance.get(name, ("", b""))
+            adapters.append(policy_pb2.AdapterServing(adapter=state.spec.to_proto(), policy_version=state.version,
+                                                      weights_run_id=run_id, weights_digest=digest))
+        return {"adapters": adapters, "max_adapters": backend.max_adapters,
+                "max_adapter_rank": backend.max_adapter_rank}
+
+    def _adapter_version(self, name: str) -> int:
+        """The version of the adapter a Generate names, or NOT_FOUND (UNKNOWN_ADAPTER) naming the ones held."""
+        backend = self._adapter_backend()
+        held = backend.adapters() if backend is not None else {}
+        if name not in held:
+            where = (f"it holds {', '.join(sorted(held))}" if held else "it holds none yet") if backend else \
+                f"the {self._backend.info().backend} backend serves no adapters"
+            raise NotFound(f"this policy server holds no adapter named {name!r} ({where}); push it with an "
+                           "UpdateWeights whose header names it, or leave `adapter` empty for the base weights",
+                           Reason.UNKNOWN_ADAPTER, metadata={"adapter": name})
+        return held[name].version
 
     # -- Generate ----------------------------------------------------------------------------------
 
@@ -125,7 +169,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                 raise Unavailable(f"this server cannot sample now: {info.unavailable}", Reason.WEIGHTS_UNAVAILABLE,
                                   retry_after_s=5.0)
             backend_request = await self._backend_request(request)
-            version = info.policy_version
+            version = self._adapter_version(request.adapter) if request.adapter else info.policy_version
             _record_request(span, backend_request, version)
             samples: list[SampleResult] = []
             call = object()
@@ -163,7 +207,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                 f"the prompt has {len(prompt)} tokens; the model's context holds {max_context} tokens of prompt "
                 "and completion together: shorten the conversation", Reason.PROMPT_TOO_LONG,
                 metadata={"prompt_tokens": str(len(prompt)), "max_context_tokens": str(max_context)})
-        return GenerationRequest(prompt_token_ids=prompt, sampling=parsed.sampling, request_id=parsed.request_id)
+        return GenerationRequest(prompt_token_ids=prompt, sampling=parsed.sampling, request_id=parsed.request_id,
+                                 adapter=request.adapter)
 
     # -- UpdateWeights -----------------------------------------------------------------------------
 
@@ -189,10 +234,70 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                             request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
                             span: Span) -> policy_pb2.UpdateWeightsResponse:
         """Receive the data chunks of an update whose header came first, and apply it."""
+        if header.HasField("adapter"):
+            return await self._apply_adapter_update(header, request_iterator, span)
         specs = check_header(header, self._backend.weight_manifest(), self._backend.info().policy_version)
         digest = check_provenance(header, self._backend.info().model)
         if header.transport == policy_pb2.WEIGHT_TRANSPORT_COLLECTIVE:
             return await self._apply_collective_update(header, specs, digest, request_iterator)
+        tensors, received = await self._receive(specs, digest, request_iterator)
+        running_before = set(self._active)
+        start = time.perf_counter()
+        await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
+        self._weights_run_id = header.provenance.run_id
+        self._serving_digests = digest
+        span.set_attribute(WEIGHTS_BYTES, received)
+        return self._update_response(received, time.perf_counter() - start, running_before)
+
+    async def _apply_adapter_update(self, header: policy_pb2.WeightsHeader,
+                                    request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
+                                    span: Span) -> policy_pb2.UpdateWeightsResponse:
+        """An update of one LoRA adapter: checked against that adapter's manifest and version, the
+        base weights and the other adapters left as they are."""
+        backend = self._adapter_backend()
+        if backend is None:
+            raise Unimplemented(f"this {self._backend.info().backend} policy server serves no LoRA adapters "
+                                "(adapters.max_adapters is 0, or the backend has none); push full weights",
+                                Reason.UNSUPPORTED)
+        if header.transport == policy_pb2.WEIGHT_TRANSPORT_COLLECTIVE:
+            raise Unimplemented("adapter updates travel as gRPC chunks (they are small); send transport "
+                                "WEIGHT_TRANSPORT_GRPC_CHUNKS", Reason.UNSUPPORTED)
+        try:
+            spec = LoraSpec.from_proto(header.adapter)
+            if spec.rank > backend.max_adapter_rank:
+                raise ValueError(f"adapter {spec.name!r} has rank {spec.rank}; this server takes ranks up to "
+                                 f"{backend.max_adapter_rank} (adapters.max_rank)")
+            manifest = backend.adapter_manifest(spec)
+        except ValueError as error:
+            raise InvalidArgument(f"header.adapter: {_first_line(error)}", Reason.INVALID_WEIGHTS) from error
+        held = backend.adapters()
+        if spec.name in held and held[spec.name].spec != spec:
+            raise InvalidArgument(f"adapter {spec.name!r} is loaded with rank {held[spec.name].spec.rank}, alpha "
+                                  f"{held[spec.name].spec.alpha} and modules {list(held[spec.name].spec.target_modules)}"
+                                  "; an update keeps its shape: push it under a new name to change it",
+                                  Reason.INVALID_WEIGHTS)
+        if spec.name not in held and len(held) >= backend.max_adapters:
+            raise ResourceExhausted(f"this policy server holds {len(held)} adapters ({', '.join(sorted(held))}), its "
+                                    f"adapters.max_adapters; update one of them, or raise the limit",
+                                    Reason.TOO_MANY_ADAPTERS, metadata={"max_adapters": str(backend.max_adapters)})
+        current = held[spec.name].version if spec.name in held else -1
+        specs = check_header(header, manifest, current)
+        digest = check_provenance(header, self._backend.info().model)  # model_id: the adapter's base model
+        tensors, received = await self._receive(specs, digest, request_iterator)
+        running_before = set(self._active)
+        start = time.perf_counter()
+        await self._run_update(header.policy_version, backend.update_adapter(spec, header.policy_version, tensors))
+        self._adapter_provenance[spec.name] = (header.provenance.run_id, digest.set_digest)
+        span.set_attribute(WEIGHTS_BYTES, received)
+        response = self._update_response(received, time.perf_counter() - start, running_before)
+        response.policy_version = header.policy_version
+        return response
+
+    async def _receive(self, specs: list, digest: DigestCheck,
+                       request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
+                       ) -> tuple[dict, int]:
+        """The tensors of the data chunks after the header, checked against their digests before
+        anything is swapped in, and how many bytes came."""
         receiver = WeightsReceiver(specs)
         while (message := await self._next_message(request_iterator)) is not None:
             if not isinstance(message, memoryview):  # else a data chunk, read without parsing (parse_request)
@@ -209,13 +314,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             await asyncio.to_thread(digest.verify, tensors)  # hashed in a thread: Generate goes on meanwhile
         except DigestMismatch as error:
             raise refused(error) from error
-        running_before = set(self._active)
-        start = time.perf_counter()
-        await self._run_update(header.policy_version, self._backend.update_weights(header.policy_version, tensors))
-        self._weights_run_id = header.provenance.run_id
-        self._serving_digests = digest
-        span.set_attribute(WEIGHTS_BYTES, receiver.received)
-        return self._update_response(receiver.received, time.perf_counter() - start, running_before)
+        return tensors, receiver.received
 
     async def _apply_collective_update(self, header: policy_pb2.WeightsHeader, specs: list, digest: DigestCheck,
                                        request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
@@ -301,6 +400,10 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._tokenize.close()
         await self._backend.close()
 
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _record_request(span: Span, request: GenerationRequest, policy_version: int) -> None:

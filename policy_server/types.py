@@ -16,6 +16,7 @@ from sciproto.chat import (  # noqa: F401 - the requests a backend takes, named 
     SamplingParams,
     ToolCall,
 )
+from sciproto.lora import LoraSpec
 from sciproto.weights.tensors import (  # noqa: F401 - named here for the backends
     TensorSpec,
     WeightUpdateManifest,
@@ -65,6 +66,14 @@ class SampleResult:
     tool_calls: list[ToolCall]
     malformed: bool
     version_spans: list[VersionSpan]
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter a backend holds: what it is and the version of its last update."""
+
+    spec: LoraSpec
+    version: int
 
 
 @dataclass(frozen=True)

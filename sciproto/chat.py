@@ -84,6 +84,7 @@ class GenerationRequest:
     previous_token_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    adapter: str = ""  # the LoRA adapter to sample with (protocol 1.4); "": the base weights
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt_token_ids is None):

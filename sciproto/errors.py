@@ -41,6 +41,8 @@ class Reason(enum.StrEnum):
     UPDATE_IN_PROGRESS = "UPDATE_IN_PROGRESS"  # another weight update is being received or applied
     WEIGHTS_UNAVAILABLE = "WEIGHTS_UNAVAILABLE"  # an update failed part way; serving resumes after a complete one
     UNSUPPORTED = "UNSUPPORTED"  # the backend lacks this capability
+    UNKNOWN_ADAPTER = "UNKNOWN_ADAPTER"  # a Generate names a LoRA adapter the policy server does not hold
+    TOO_MANY_ADAPTERS = "TOO_MANY_ADAPTERS"  # a new adapter past the policy server's max_adapters
     PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
     DUPLICATE_REQUEST = "DUPLICATE_REQUEST"
     UNAUTHENTICATED = "UNAUTHENTICATED"

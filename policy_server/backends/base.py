@@ -7,7 +7,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from policy_server.types import BackendInfo, GenerationRequest, SampleResult, TensorSpec, TokenDelta
+from policy_server.types import (
+    AdapterState,
+    BackendInfo,
+    GenerationRequest,
+    SampleResult,
+    TensorSpec,
+    TokenDelta,
+)
+from sciproto.lora import LoraSpec
 
 # What every in-process backend (transformers, vllm) offers, as Describe lists it.
 CAPABILITIES = [
@@ -51,4 +59,30 @@ class PolicyBackend(Protocol):
 
     async def close(self) -> None:
         """Finish running samples with finish reason "abort" and release the model."""
+        ...
+
+
+@runtime_checkable
+class AdapterBackend(Protocol):
+    """A backend that serves LoRA adapters beside its base weights (protocol 1.4). `generate`
+    samples a request whose `adapter` names one with it, and stamps its version spans with that
+    adapter's versions; a request naming none samples the base weights."""
+
+    max_adapters: int  # most adapters held at once
+    max_adapter_rank: int  # highest rank taken; 0: any
+
+    def adapters(self) -> dict[str, AdapterState]:
+        """The adapters held now, by name."""
+        ...
+
+    def adapter_manifest(self, spec: LoraSpec) -> list[TensorSpec]:
+        """The tensors an update of `spec` must carry, exactly (sciproto.lora.adapter_tensor_specs);
+        ValueError says what in the spec this model cannot take."""
+        ...
+
+    async def update_adapter(self, spec: LoraSpec, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate against `adapter_manifest(spec)` (ValueError naming the tensor; nothing changes),
+        then add the adapter, or replace the one of that name, between decode steps; the base
+        weights and every other adapter stay as they are. Samples running with the adapter go on
+        with the new one, their version spans saying so."""
         ...

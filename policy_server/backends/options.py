@@ -24,6 +24,15 @@ class TransformersOptions(BaseModel):
     device: str = Field("cpu", description='Torch device of the model, e.g. "cpu" or "cuda:0"')
 
 
+class AdapterOptions(BaseModel):
+    """LoRA adapters served beside the base weights (protocol 1.4): the `adapters:` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_adapters: int = Field(4, ge=0, le=64, description="Most adapters held at once (0: take none)")
+    max_rank: int = Field(64, ge=1, le=1024, description="Highest LoRA rank an adapter may have")
+
+
 class VllmSettings(BaseModel):
     """Settings of the `vllm` backend: the `vllm:` section of a policy server config."""
 
@@ -60,4 +69,4 @@ class OpenAIOptions(BaseModel):
     max_backoff_s: float = Field(10.0, ge=0, description="Longest wait between tries, Retry-After included")
 
 
-__all__ = ["OpenAIOptions", "TransformersOptions", "VllmSettings"]
+__all__ = ["AdapterOptions", "OpenAIOptions", "TransformersOptions", "VllmSettings"]

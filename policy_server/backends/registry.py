@@ -28,6 +28,7 @@ class Capability(enum.Enum):
 
     WEIGHT_UPDATES = "weight_updates"  # takes UpdateWeights (update_weights)
     COLLECTIVE_WEIGHTS = "collective_weights"  # takes collective-transport headers (receive_weights_collective)
+    LORA_ADAPTERS = "lora_adapters"  # serves named LoRA adapters (base.AdapterBackend; protocol 1.4)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def _load_openai() -> Factory:
     return openai_backend.build_backend
 
 
-_WEIGHTS = frozenset({Capability.WEIGHT_UPDATES, Capability.COLLECTIVE_WEIGHTS})
+_WEIGHTS = frozenset({Capability.WEIGHT_UPDATES, Capability.COLLECTIVE_WEIGHTS, Capability.LORA_ADAPTERS})
 
 register_backend(BackendPlugin("transformers", _load_transformers, _WEIGHTS))
 register_backend(BackendPlugin("vllm", _load_vllm, _WEIGHTS))

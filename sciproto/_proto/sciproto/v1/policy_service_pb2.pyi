@@ -181,6 +181,9 @@ class PolicyServiceDescribeResponse(_message.Message):
     WEIGHTS_RUN_ID_FIELD_NUMBER: _builtins.int
     WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
     SERVING_TENSORS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_ADAPTER_RANK_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or path."""
     backend: _builtins.str
@@ -207,6 +210,14 @@ class PolicyServiceDescribeResponse(_message.Message):
     the weights the server started with, for an update that carried no digests, and
     for NCCL updates on a GPU (vLLM loads those tensors as they arrive).
     """
+    max_adapters: _builtins.int
+    """Most adapters this server holds at once; 0 when it takes none. An update of a
+    new adapter past it is refused with RESOURCE_EXHAUSTED (reason TOO_MANY_ADAPTERS).
+    """
+    max_adapter_rank: _builtins.int
+    """Highest LoRA rank an adapter may have here; 0 when the server takes adapters of
+    any rank (or none).
+    """
     @_builtins.property
     def server(self) -> _common_pb2.ServerInfo:
         """Protocol and server identity."""
@@ -216,6 +227,13 @@ class PolicyServiceDescribeResponse(_message.Message):
         """Name and TensorSpec.digest of every tensor of that update, in header order
         (shape and dtype left unset); empty whenever weights_digest is. A sender whose
         digests differ finds here which tensor the server holds otherwise.
+        """
+
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterServing]:
+        """The LoRA adapters loaded beside the base weights (protocol 1.4), by name; a
+        Generate selects one with GenerateRequest.adapter. The fields above describe
+        the base weights.
         """
 
     def __init__(
@@ -233,14 +251,95 @@ class PolicyServiceDescribeResponse(_message.Message):
         weights_run_id: _builtins.str = ...,
         weights_digest: _builtins.bytes = ...,
         serving_tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+        adapters: _abc.Iterable[Global___AdapterServing] | None = ...,
+        max_adapters: _builtins.int = ...,
+        max_adapter_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "backend", b"backend", "dtype", b"dtype", "max_context_tokens", b"max_context_tokens", "model", b"model", "policy_version", b"policy_version", "quantization", b"quantization", "server", b"server", "serving_tensors", b"serving_tensors", "supports_weight_updates", b"supports_weight_updates", "weights_digest", b"weights_digest", "weights_run_id", b"weights_run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "adapters", b"adapters", "backend", b"backend", "dtype", b"dtype", "max_adapter_rank", b"max_adapter_rank", "max_adapters", b"max_adapters", "max_context_tokens", b"max_context_tokens", "model", b"model", "policy_version", b"policy_version", "quantization", b"quantization", "server", b"server", "serving_tensors", b"serving_tensors", "supports_weight_updates", b"supports_weight_updates", "weights_digest", b"weights_digest", "weights_run_id", b"weights_run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyServiceDescribeResponse: _TypeAlias = PolicyServiceDescribeResponse  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter (protocol 1.4): low-rank matrices added to some linear layers of
+    the base model, W x + (alpha / rank) * B A x, trained and pushed without the base.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit.
+    Generate requests and the OpenAI gateway's `model` select it by this name.
+    """
+    rank: _builtins.int
+    """The rank r of A (r x in_features) and B (out_features x r)."""
+    alpha: _builtins.float
+    """The scale numerator: the adapter adds (alpha / rank) * B A x."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The linear layers it wraps, by the last part of their module name
+        (e.g. "q_proj", "v_proj"), as PEFT's LoraConfig.target_modules.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "name", b"name", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
+class AdapterServing(_message.Message):
+    """One adapter a server holds, as Describe lists it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHTS_RUN_ID_FIELD_NUMBER: _builtins.int
+    WEIGHTS_DIGEST_FIELD_NUMBER: _builtins.int
+    policy_version: _builtins.int
+    """Its version: the WeightsHeader.policy_version of its last applied update."""
+    weights_run_id: _builtins.str
+    """WeightsProvenance.run_id of that update."""
+    weights_digest: _builtins.bytes
+    """WeightsProvenance.set_digest of that update, checked as for the base weights."""
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """What the adapter is."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+        policy_version: _builtins.int = ...,
+        weights_run_id: _builtins.str = ...,
+        weights_digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "policy_version", b"policy_version", "weights_digest", b"weights_digest", "weights_run_id", b"weights_run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterServing: _TypeAlias = AdapterServing  # noqa: Y015
 
 @_typing.final
 class ChatPrompt(_message.Message):
@@ -385,10 +484,17 @@ class GenerateRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id."""
     n: _builtins.int
     """Number of samples of the same prompt (a GRPO group); 0 means 1."""
+    adapter: _builtins.str
+    """The LoRA adapter to sample with, by name (protocol 1.4); empty: the base
+    weights. One the server does not hold is refused with NOT_FOUND (reason
+    UNKNOWN_ADAPTER, metadata "adapter"); GeneratePrompt.policy_version and the
+    samples' version spans are then the adapter's versions.
+    """
     @_builtins.property
     def trace_context(self) -> _common_pb2.TraceContext:
         """Trace context of the caller."""
@@ -414,10 +520,11 @@ class GenerateRequest(_message.Message):
         tokens: Global___TokenPrompt | None = ...,
         sampling: Global___SamplingParams | None = ...,
         n: _builtins.int = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "sampling", b"sampling", "tokens", b"tokens", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "tokens", b"tokens", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chat", b"chat", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "tokens", b"tokens", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["chat", "tokens"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
@@ -655,6 +762,7 @@ class WeightsHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id."""
     policy_version: _builtins.int
@@ -677,6 +785,22 @@ class WeightsHeader(_message.Message):
         checked before any data is read.
         """
 
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """Set when the tensors are a LoRA adapter's (protocol 1.4): the adapter is added,
+        or replaced when one of that name is loaded, and the base weights and every other
+        adapter stay as they are. policy_version is then the adapter's version (greater
+        than its current one, any value for a new adapter), and `tensors` must be
+        exactly the adapter's, named as PEFT saves them
+        ("base_model.model.<module>.lora_A.weight", r x in_features, and
+        "...lora_B.weight", out_features x r, for every targeted linear layer).
+        Refused: a server that takes no adapters (UNIMPLEMENTED, reason UNSUPPORTED), a
+        rank above max_adapter_rank or a module the model lacks (INVALID_ARGUMENT, reason
+        INVALID_WEIGHTS), a new adapter past max_adapters (RESOURCE_EXHAUSTED, reason
+        TOO_MANY_ADAPTERS), a collective transport (UNIMPLEMENTED: adapters are small
+        and travel as gRPC chunks).
+        """
+
     def __init__(
         self,
         *,
@@ -687,10 +811,11 @@ class WeightsHeader(_message.Message):
         total_bytes: _builtins.int = ...,
         transport: Global___WeightTransport.ValueType = ...,
         provenance: Global___WeightsProvenance | None = ...,
+        adapter: Global___LoraAdapter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "trace_context", b"trace_context"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "provenance", b"provenance", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "provenance", b"provenance", "request_id", b"request_id", "tensors", b"tensors", "total_bytes", b"total_bytes", "trace_context", b"trace_context", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "policy_version", b"policy_version", "provenance", b"provenance", "request_id", b"request_id", "tensors", b"tensors", "total_bytes", b"total_bytes", "trace_context", b"trace_context", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
