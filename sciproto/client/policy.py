@@ -57,15 +57,16 @@ def generate_request(
     seed: int | None = None,
     n: int = 1,
     request_id: str = "",
+    adapter: str = "",
 ) -> policy_pb2.GenerateRequest:
     """A GenerateRequest from chat `messages` (+ tools, previous turn's ids) or `prompt_token_ids`.
     None leaves temperature / top_p / top_k / seed unset (the defaults of sciproto.sampling; the
-    server's choice of seed)."""
+    server's choice of seed). `adapter` names the LoRA adapter to sample with ("": the base)."""
     if bool(messages) == bool(prompt_token_ids):
         raise ValueError("give either messages or prompt_token_ids, not both and not neither")
     sampling = policy_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                          stop=list(stop), seed=seed)
-    request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n,
+    request = policy_pb2.GenerateRequest(request_id=request_id, sampling=sampling, n=n, adapter=adapter,
                                          trace_context=current_trace_context())
     if messages:
         request.chat.CopyFrom(policy_pb2.ChatPrompt(messages=messages, tools=tools,
@@ -157,14 +158,17 @@ class PolicyClient:
     async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                            chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,
                            request_id: str = "", provenance: policy_pb2.WeightsProvenance | None = None,
-                           digests: Sequence[bytes] | None = None) -> policy_pb2.UpdateWeightsResponse:
+                           digests: Sequence[bytes] | None = None,
+                           adapter: policy_pb2.LoraAdapter | None = None) -> policy_pb2.UpdateWeightsResponse:
         """Send every tensor of `state_dict` (the model's full parameter set, in any order) as
         policy `version`. Chunks are cut from the tensors as the stream drains; the model is never
         copied whole. A tensor that shares storage with an earlier one (tied embeddings, as in
         `state_dict()`) is sent once, under the earlier name, as the server's manifest lists it.
         `provenance` (model id, run id, `weights_sha256` of the tensors) and `digests`
         (`tensor_digests` of `distinct_tensors(state_dict)`: each tensor's XXH3-128, which the
-        server checks and then reports in Describe) are checked by the server before it swaps."""
+        server checks and then reports in Describe) are checked by the server before it swaps.
+        With `adapter` (sciproto.lora.LoraSpec.to_proto()), `state_dict` is that LoRA adapter's
+        tensors as PEFT names them, and `version` the adapter's version (protocol 1.4)."""
         from sciproto.weights.wire import (
             chunk_parts,
             data_message_wire,
@@ -182,6 +186,8 @@ class PolicyClient:
         header.trace_context.CopyFrom(current_trace_context())
         if provenance is not None:
             header.provenance.MergeFrom(provenance)
+        if adapter is not None:
+            header.adapter.CopyFrom(adapter)
 
         async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest | bytes]:
             yield policy_pb2.UpdateWeightsRequest(header=header)
