@@ -123,6 +123,8 @@ class AgentSettings:
     # The environment's per-episode options, sent with every Reset (notebook: {"observation":
     # "history" | "state"}).
     options: Mapping[str, str] = field(default_factory=dict)
+    # The policy server's LoRA adapter every Generate samples with ("": the base weights).
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.max_tokens < 1:
@@ -181,7 +183,7 @@ async def generate(policy: PolicyPool, settings: AgentSettings, messages: Sequen
         # rollout record) and the policy sees the message's text.
         messages=[text_only(message) for message in messages], tools=tools, previous_token_ids=previous_token_ids, n=n,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=max_tokens,
-        stop=sampling.stop, seed=sampling.seed, request_id=uuid.uuid4().hex)
+        stop=sampling.stop, seed=sampling.seed, request_id=uuid.uuid4().hex, adapter=settings.adapter)
     request.trace_context.CopyFrom(current_trace_context())
 
     async def once(timeout_s: float) -> GenerationGroup:

@@ -182,15 +182,17 @@ async def collect(
     retries: RetryPolicy | None = None,
     deadlines: Deadlines | None = None,
     options: Mapping[str, str] | None = None,
+    adapter: str = "",
 ) -> AsyncIterator[RolloutGroup]:
     """Run every task's group of `samples` episodes, at most `concurrency` episodes at once,
     and yield each group as it completes. Leaving the loop early (or cancelling) cancels the
     groups in flight; their episodes are closed on the way out. `options` go to every Reset
-    (the environment's per-episode options, e.g. the notebook's {"observation": "state"})."""
+    (the environment's per-episode options, e.g. the notebook's {"observation": "state"}); `adapter`
+    names the policy server's LoRA adapter to sample with."""
     if samples < 1 or concurrency < 1:
         raise ValueError(f"samples ({samples}) and concurrency ({concurrency}) must be >= 1")
     settings = AgentSettings(sampling or Sampling(), max_steps, max_tokens, retries or RetryPolicy(),
-                             deadlines or Deadlines(), dict(options or {}))
+                             deadlines or Deadlines(), dict(options or {}), adapter)
     # aclosing: when the caller leaves early, the runs in flight are cancelled and their episodes
     # closed before this generator's aclose() returns, not later when the inner one is collected.
     async with contextlib.aclosing(stream_runs(tasks, max(1, concurrency // samples),

@@ -40,6 +40,7 @@ class GatewaySettings:
     rollouts_file: Path | None = None
     connect_timeout_s: float = 60.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    adapter: str = ""  # the policy servers' LoRA adapter the served model's names route to ("": the base)
 
 
 async def connect(settings: GatewaySettings, authenticator: Authenticator | None = None) -> Gateway:
@@ -67,7 +68,7 @@ async def connect(settings: GatewaySettings, authenticator: Authenticator | None
     names = [models[0], *(name for name in settings.model_names if name != models[0])]
     limits = SessionStore(settings.limits)
     return Gateway(clients, names, min(d.max_context_tokens for d in described), limits, authenticator,
-                   settings.rollouts_file, max_request_bytes=settings.max_request_bytes)
+                   settings.rollouts_file, max_request_bytes=settings.max_request_bytes, adapter=settings.adapter)
 
 
 async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -88,6 +88,7 @@ class ChatCall:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    adapter: str = ""  # the policy server's LoRA adapter `model` routes to ("": the base weights)
 
     def sampling_params(self) -> policy_pb2.SamplingParams:
         """The sampling the call asks Generate for (unset fields: the policy server's defaults)."""
@@ -96,7 +97,8 @@ class ChatCall:
 
     def generate_request(self, previous_token_ids: list[int], request_id: str) -> policy_pb2.GenerateRequest:
         chat = policy_pb2.ChatPrompt(messages=self.messages, tools=self.tools, previous_token_ids=previous_token_ids)
-        return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=self.sampling_params(), n=self.n)
+        return policy_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=self.sampling_params(), n=self.n,
+                                          adapter=self.adapter)
 
 
 @dataclass

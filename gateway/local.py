@@ -35,9 +35,10 @@ class LocalGateway:
     """A gateway served on a free loopback port of this process, without auth."""
 
     def __init__(self, policies: Sequence[str], limits: SessionLimits | None = None,
-                 rollouts_file: Path | None = None) -> None:
+                 rollouts_file: Path | None = None, adapter: str = "") -> None:
         self.settings = GatewaySettings(policies=list(policies), host="127.0.0.1", port=0,
-                                        limits=limits or SessionLimits(), rollouts_file=rollouts_file)
+                                        limits=limits or SessionLimits(), rollouts_file=rollouts_file,
+                                        adapter=adapter)
         self.gateway: Gateway | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0

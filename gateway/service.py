@@ -77,11 +77,14 @@ class Gateway:
     def __init__(self, policies: list[PolicyClient], model_names: list[str], max_context_tokens: int,
                  store: SessionStore, authenticator: Authenticator | None = None,
                  rollouts_file: Path | None = None, generate_timeout_s: float = 600.0,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, adapter: str = "") -> None:
         if not policies:
             raise ValueError("the gateway needs at least one policy server")
         self.policies = policies
         self.model_names = model_names
+        # The LoRA adapter `model_names` route to ("": the base weights); any other adapter the policy
+        # servers hold answers to its own name (Describe's adapters, asked when a call names one).
+        self.adapter = adapter
         self.max_context_tokens = max_context_tokens
         self.store = store
         self.authenticator = authenticator
@@ -183,8 +186,26 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._principal(request, AuthRole.AGENT)
+        names = self.model_names + [name for name in await self._adapter_names() if name not in self.model_names]
         return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "sciproto"} for name in self.model_names]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "sciproto"} for name in names]})
+
+    async def _adapter_names(self) -> list[str]:
+        """The LoRA adapters the policy servers hold now, by name (those of the first server, as
+        every server of a gateway gets the same pushes)."""
+        described = await self.policies[0].describe(timeout_s=10.0)
+        return [serving.adapter.name for serving in described.adapters]
+
+    async def _route(self, model: str) -> str:
+        """The adapter a call's `model` samples with, or a 404 listing the names served."""
+        if model in self.model_names:
+            return self.adapter
+        adapters = await self._adapter_names()
+        if model in adapters:
+            return model
+        raise ApiError(404, f"the model {model!r} does not exist here; this gateway serves "
+                       f"{', '.join(self.model_names + adapters)} (GET /v1/models)", param="model",
+                       code="model_not_found")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._call(request, parse_chat_request, self._complete)
@@ -208,9 +229,7 @@ class Gateway:
                     answer: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         principal = self._principal(request, AuthRole.AGENT)
         call = parse(await self._json(request), self.max_context_tokens)
-        if call.model not in self.model_names:
-            raise ApiError(404, f"the model {call.model!r} does not exist here; this gateway serves "
-                           f"{', '.join(self.model_names)} (GET /v1/models)", param="model", code="model_not_found")
+        call.adapter = await self._route(call.model)
         session_id = self._session_id(request)
         if session_id is None:
             return await answer(request, call, None, Plan([], "", None), self._policy(None))

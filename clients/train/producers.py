@@ -182,6 +182,12 @@ class Production:
     def rollout(self) -> RolloutSettings:
         return self.config.rollout
 
+    @property
+    def adapter(self) -> str:
+        """The LoRA adapter the learner trains and every Generate samples with ("": full weights)."""
+        lora = self.config.learner.lora
+        return lora.name if lora is not None else ""
+
 
 Producer = Callable[[Production], Awaitable[None]]
 
@@ -201,6 +207,7 @@ async def produce_groups(production: Production) -> None:
         retries=rollout.retries,
         deadlines=rollout.deadlines,
         options=rollout.options,
+        adapter=production.adapter,
     ):
         sink.deliver(group, production.tasks.next_epoch(group.task))
 
@@ -210,7 +217,7 @@ async def produce_step_groups(production: Production) -> None:
     its own (one prompt, group_size completions)."""
     rollout, sink, status, flow = production.rollout, production.sink, production.sink.status, production.sink.flow
     settings = AgentSettings(rollout.sampling, rollout.max_steps, rollout.max_tokens, rollout.retries,
-                             rollout.deadlines, rollout.options)
+                             rollout.deadlines, rollout.options, production.adapter)
     tally = StepGroupTally()
     sink.outcome.step_groups = tally.totals
     status.forks_opened = 0
@@ -242,7 +249,8 @@ async def produce_agent_groups(production: Production) -> None:
             yield replica.client
 
     try:
-        async with LocalGateway(production.policy_targets()) as gateway, launcher(program) as launch:
+        async with (LocalGateway(production.policy_targets(), adapter=production.adapter) as gateway,
+                    launcher(program) as launch):
             groups = stream_runs(production.tasks.stream(), max(1, rollout.concurrency // rollout.samples),
                                  lambda task: run_agent_group(gateway, lease, launch, task, rollout.samples,
                                                               rollout.options))
