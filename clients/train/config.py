@@ -240,6 +240,21 @@ class DisplaySettings(BaseModel):
     )
 
 
+class TrainPolicySettings(PolicyServerConfig):
+    """The run's policy server: the `policy:` section, which the server it starts reads; or, with
+    `address`, a policy server already running that this run shares with others."""
+
+    address: str | None = Field(
+        None,
+        exclude=True,  # the run's own; never in the section a started server reads
+        description=(
+            "HOST:PORT of a running policy server to share instead of starting one: the run then"
+            " trains a LoRA adapter (learner.lora, a name no other run uses) and pushes only it;"
+            " the server's model must be policy.model"
+        ),
+    )
+
+
 class TrainConfig(BaseModel):
     """Everything `sciproto train` needs: one file configures every component."""
 
@@ -248,7 +263,7 @@ class TrainConfig(BaseModel):
     run: RunSettings = Field(default_factory=RunSettings)
     budget: Budget = Field(default_factory=Budget)
     env: EnvServerConfig = Field(default_factory=lambda: EnvServerConfig(envs=["toy"]))
-    policy: PolicyServerConfig = Field(default_factory=PolicyServerConfig)
+    policy: TrainPolicySettings = Field(default_factory=TrainPolicySettings)
     learner: LearnerServerConfig = Field(default_factory=LearnerServerConfig)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     processes: ProcessSettings = Field(default_factory=ProcessSettings)
@@ -293,6 +308,16 @@ class TrainConfig(BaseModel):
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
             )
         check_phases(self.phases)
+        if self.policy.address is not None:
+            if self.learner.lora is None:
+                raise ValueError(
+                    f"policy.address {self.policy.address}: a shared policy server takes each run's LoRA adapter;"
+                    " pushing full weights would replace what the other runs sample. Set learner.lora"
+                    " (e.g. --set learner.lora.name=my-run)"
+                )
+            if self.cluster.engine == "ray":
+                raise ValueError("policy.address shares a running policy server; cluster.engine ray starts its"
+                                 " own: leave one of them unset")
         return self
 
     @property
@@ -332,6 +357,7 @@ __all__ = [
     "RolloutSettings",
     "RunSettings",
     "TrainConfig",
+    "TrainPolicySettings",
     "check_envs",
     "load_train_config",
 ]

@@ -51,19 +51,24 @@ class Engine(Protocol):
 
 
 class LocalServers:
-    """The child processes of one run, one per role."""
+    """The child processes of one run, one per role; the policy server may be a shared one the run
+    did not start (`policy.address`), which it neither watches nor stops."""
 
-    def __init__(self, processes: dict[str, ServerProcess], stop_timeout_s: float) -> None:
+    def __init__(self, processes: dict[str, ServerProcess], stop_timeout_s: float,
+                 shared_policy: str | None = None) -> None:
         self.processes = processes
         self.stop_timeout_s = stop_timeout_s
+        self.shared_policy = shared_policy
 
     def targets(self, role: Role) -> list[str]:
+        if role == "policy" and self.shared_policy is not None:
+            return [self.shared_policy]
         return [self.processes[role].target]
 
     def failure(self) -> str | None:
         for role in ROLES:
-            process = self.processes[role]
-            if not process.alive():
+            process = self.processes.get(role)
+            if process is not None and not process.alive():
                 return f"the {role} server exited; see {role}.log in the run directory"
         return None
 
@@ -75,7 +80,7 @@ class LocalEngine:
     """Every server a child process of this one, on this machine."""
 
     def start(self, config: TrainConfig, run_dir: Path) -> LocalServers:
-        return LocalServers(start_servers(config, run_dir), config.processes.stop_timeout_s)
+        return LocalServers(start_servers(config, run_dir), config.processes.stop_timeout_s, config.policy.address)
 
 
 def engine_for(config: TrainConfig) -> Engine:

@@ -40,10 +40,15 @@ class StepBudget(Protocol):
     max_steps: int | None
 
 
+class SharedPolicy(Protocol):
+    address: str | None  # a running policy server the run shares instead of starting one
+
+
 class RunConfig(Protocol):
     """What starting the servers reads of a run's config (`clients.train.TrainConfig`, a pydantic
     model). A protocol, so that this module does not import the one that calls it."""
 
+    policy: SharedPolicy
     learner: LearnerServerConfig
     budget: StepBudget
     processes: ProcessOptions
@@ -93,7 +98,8 @@ def serve_command(component: str, config_path: Path, cpus: Sequence[int] = (), p
 
 
 def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
-    """Env and policy servers (side by side), then the learner once the policy's port is known."""
+    """Env and policy servers (side by side), then the learner once the policy's port is known.
+    With `policy.address` no policy server starts: the learner pushes to that one."""
     processes: dict[str, ServerProcess] = {}
     settings = config.processes
     timeout_s = settings.start_timeout_s
@@ -108,14 +114,15 @@ def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
                     timeout_s=timeout_s,
                     log_file=run_dir / "env.log",
                 ),
-                "policy": pool.submit(
+            }
+            if config.policy.address is None:
+                futures["policy"] = pool.submit(
                     start_command,
                     serve_command("policy", base_path, settings.policy_cpus),
                     timeout_s=timeout_s,
                     log_file=run_dir / "policy.log",
                     env=threads_env(settings.policy_threads),
-                ),
-            }
+                )
             failures = []
             for name, future in futures.items():
                 try:
@@ -124,7 +131,8 @@ def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
                     failures.append(f"{name}: {getattr(error, 'headline', error)}")
             if failures:
                 raise RuntimeError("could not start the servers:\n" + "\n".join(failures))
-        path = write_component_config(config, run_dir, processes["policy"].target)
+        policy_target = config.policy.address or processes["policy"].target
+        path = write_component_config(config, run_dir, policy_target)
         processes["learner"] = start_command(
             serve_command("learner", path, settings.learner_cpus),
             timeout_s=timeout_s,
