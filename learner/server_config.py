@@ -9,8 +9,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.config import GRPOConfig
+from learner.lora import refusal
 from sciproto.auth import AuthConfig
 from sciproto.channel import ServerAccess
+from sciproto.lora import LoraSpec
 from sciproto.server import ServerConfig
 from sciproto.tracing import TracingConfig
 
@@ -92,6 +94,14 @@ class LearnerServerConfig(BaseModel):
         0, ge=0, description="CPU threads torch may use (0: torch's default)"
     )
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    lora: LoraSpec | None = Field(
+        None,
+        description=(
+            "Train this LoRA adapter on the frozen base model and push only it (`--set lora.rank=8`; "
+            "None: train and push the full weights). One learner rank, precision fp32 or bf16, "
+            "push_transport grpc"
+        ),
+    )
     batch_groups: int = Field(16, ge=1, description="Groups per optimizer step")
     buffer_capacity: int = Field(
         64, ge=1, description="Most groups buffered; TrainStep stops reading beyond it"
@@ -213,4 +223,7 @@ class LearnerServerConfig(BaseModel):
                 "a push every new group would be refused and no step could run. Set push_every "
                 "<= max_staleness + 1"
             )
+        reason = refusal(self.lora, precision=self.grpo.precision, push_transport=self.push_transport)
+        if reason is not None:
+            raise ValueError(reason)
         return self

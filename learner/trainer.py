@@ -24,11 +24,13 @@ from learner.grpo import (
     split_micro_batches,
     split_mini_batches,
 )
+from learner.lora import LoraWeights, check
 from learner.memory import StepMemory
 from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix
 from learner.sft import SFT_STAT_NAMES, sft_loss, sft_sequences
 from learner.types import Objective, RolloutGroup
+from sciproto.lora import LoraSpec
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepMetrics"]
 
@@ -147,6 +149,10 @@ class GRPOTrainer:
     group initialised) the model is sharded with FSDP2 here. Its weights and the optimizer state
     are fp32 in every precision (learner/precision.py); `push_dtype` is the dtype the policy
     servers hold, which `state_dict_for_push` converts to (default: fp32).
+
+    With `lora`, the model is the frozen base of a LoRA adapter (learner/lora.py): only the
+    adapter's parameters are in AdamW, `state_dict_for_push` gives only its tensors, and the KL
+    reference is the base with the adapter switched off. `model_name` names the base in checkpoints.
     """
 
     def __init__(
@@ -157,6 +163,8 @@ class GRPOTrainer:
         reference_model: nn.Module | None = None,
         pad_token_id: int = 0,
         push_dtype: torch.dtype | None = None,
+        lora: LoraSpec | None = None,
+        model_name: str = "",
     ) -> None:
         self.config = config
         self.push_dtype = push_dtype or torch.float32
@@ -165,15 +173,24 @@ class GRPOTrainer:
         torch.manual_seed(config.seed)
         self.device = next(model.parameters()).device
 
+        check(lora, precision=config.precision, world_size=self.context.world_size)
+
         self.reference_model: nn.Module | None = None
-        if config.kl_coef > 0:
-            # The frozen reference defaults to the starting weights.
+        if config.kl_coef > 0 and (reference_model is not None or lora is None):
+            # The frozen reference defaults to the starting weights (with LoRA: the base itself,
+            # the adapter switched off, see _reference_logprobs).
             reference = reference_model if reference_model is not None else copy.deepcopy(model)
             self.reference_model = self._prepare(reference).eval().requires_grad_(False)
-        self.model = self._prepare(model).train()
+        self.model = self._prepare(model)
+        self.lora = None if lora is None else LoraWeights.wrap(self.model, lora, model_name)
+        if self.lora is not None:
+            self.model = self.lora.model
+        self.model.train()
+        # Every parameter, or with LoRA the adapter's alone (the base is frozen).
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trainable,
             lr=config.lr,
             betas=config.adam_betas,
             weight_decay=config.weight_decay,
@@ -342,7 +359,7 @@ class GRPOTrainer:
                 loss, stats = sft_loss(logits, batch.input_ids, batch.loss_mask, tokens)
                 (loss * self.context.world_size).backward()  # FSDP2 averages over ranks: make it the sum
                 sums += torch.stack([stats[name].double().cpu() for name in SFT_STAT_NAMES])
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, config.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             all_reduce(sums, dist.ReduceOp.SUM)
@@ -412,7 +429,7 @@ class GRPOTrainer:
                 sums += torch.stack([stats[name].double().cpu() for name in STAT_NAMES])
                 loss_sum += loss.detach().double().cpu() * part_tokens / num_tokens
                 is_weight_max.copy_(torch.maximum(is_weight_max, stats["is_weight_max"].double().cpu()))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, config.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                 grad_norm = grad_norm.full_tensor()
             grad_norms.append(float(grad_norm))
@@ -460,17 +477,24 @@ class GRPOTrainer:
         return shared if int(everywhere) else 0
 
     def _reference_logprobs(self, batch: MicroBatch, shared: int) -> torch.Tensor | None:
-        if self.reference_model is None:
-            return None
-        return self._logprobs_no_grad(self.reference_model, [(batch, shared)])[0]
+        if self.reference_model is not None:
+            return self._logprobs_no_grad(self.reference_model, [(batch, shared)])[0]
+        if self.lora is not None and self.config.kl_coef > 0:
+            with self.lora.base_only():
+                return self._logprobs_no_grad(self.model, [(batch, shared)])[0]
+        return None
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU in `push_dtype`, named as in the model's state dict (empty on ranks
         other than 0). Floating tensors are converted from the fp32 masters (a copy; the masters
         are untouched); entries that share memory (tied embeddings) still share it afterwards.
 
+        With LoRA: the adapter's tensors only, named as PEFT saves them (sciproto/lora.py).
+
         Collective under FSDP2: every rank must call it.
         """
+        if self.lora is not None:
+            return self.lora.state_dict(self.push_dtype)
         weights = full_state_dict(self.model)
         converted: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
         result = {}
