@@ -4,6 +4,10 @@ Layout: <run_dir>/checkpoints/step_<step:08d>/ (sciproto.rundir names every file
     model.safetensors   full weights, named as in the model's state dict
     trainer_state.pt    optimizer state, step, policy version, RNG states
     manifest.json       step, policy version, config, file names (readable without torch)
+With a LoRA adapter (learner/lora.py) model.safetensors holds the adapter's fp32 tensors alone,
+named as PEFT saves them, and trainer_state.pt its AdamW state alone; the manifest's "lora" names
+the adapter's spec and its base (model name and XXH3 set digest of the base weights), and a
+resume into another spec or base is refused.
 A checkpoint is written to a temporary folder and renamed into place, so a crash mid-save never
 leaves a half checkpoint; the learner service then adds its learner_state.json, and only then is
 the checkpoint complete (`sciproto.rundir.latest_checkpoint`).
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from learner.distributed import current_context, full_state_dict
 from learner.trainer import GRPOTrainer
+from sciproto.config import ConfigError
 from sciproto.rundir import (
     MANIFEST_FILE,
     WEIGHTS_FILE,
@@ -70,7 +75,7 @@ def _restore_rng(state: dict) -> None:
 def save_checkpoint(trainer: GRPOTrainer, run_dir: str | Path) -> Path:
     """Save on rank 0 (collective under FSDP2: every rank must call it); returns the folder."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = full_state_dict(trainer.model)
+    weights = full_state_dict(trainer.model) if trainer.lora is None else trainer.lora.state_dict(torch.float32)
     optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
     final = checkpoint_dir(run_dir, trainer.step)
     if current_context().is_main:
@@ -94,6 +99,7 @@ def save_checkpoint(trainer: GRPOTrainer, run_dir: str | Path) -> Path:
             "policy_version": trainer.policy_version,
             "saved_at_unix": time.time(),
             "config": trainer.config.model_dump(mode="json"),
+            "lora": None if trainer.lora is None else trainer.lora.identity(),
             "files": {"weights": WEIGHTS_FILE, "state": STATE_FILE},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
@@ -119,8 +125,16 @@ def load_checkpoint(trainer: GRPOTrainer, path: str | Path) -> None:
             f"{path} has checkpoint format {state.get('format_version')}, this learner reads "
             f"format {FORMAT_VERSION}"
         )
+    saved_lora = json.loads((path / MANIFEST_FILE).read_text()).get("lora")
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(trainer.model, load_file(str(path / WEIGHTS_FILE)), options=options)
+    if trainer.lora is not None:
+        trainer.lora.check_identity(saved_lora, f"checkpoint {path}")
+        trainer.lora.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+    elif saved_lora is not None:
+        raise ConfigError(f"checkpoint {path} holds LoRA adapter {saved_lora['spec']['name']!r}, not full weights; "
+                          "resume it with learner.lora set as it was, or use another run_dir")
+    else:
+        set_model_state_dict(trainer.model, load_file(str(path / WEIGHTS_FILE)), options=options)
     set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"], options=options)
     trainer.step = state["step"]
     trainer.policy_version = state["policy_version"]
