@@ -41,9 +41,13 @@ class PolicySync:
 
     async def start(self, resumed: bool) -> None:
         """Align the servers with the trainer's weights (a resumed learner, or servers that serve
-        another version, get them pushed under a version above any served), then reconcile on."""
+        another version, get them pushed under a version above any served), then reconcile on.
+
+        A LoRA adapter is pushed at start in any case (version 0 where no server holds it yet):
+        rollouts name it from the first step, and a server may hold an older adapter of its name."""
         serving = await self.pusher.serving_versions()
-        if resumed or any(v != self.trainer.policy_version for v in serving):
+        lora = self.config.lora is not None
+        if resumed or lora or any(v != self.trainer.policy_version for v in serving):
             self.trainer.policy_version = version_after_resume(self.trainer.policy_version, serving)
             try:
                 await self.push()

@@ -41,12 +41,31 @@ class ServingDigestMismatch(FailedPrecondition):
     """A policy server reports serving other weights than the ones pushed to it."""
 
 
+def adapter_serving(described: policy_pb2.PolicyServiceDescribeResponse,
+                    adapter: str) -> policy_pb2.AdapterServing | None:
+    """Describe's entry of the LoRA adapter named `adapter`; None when the server holds none."""
+    return next((entry for entry in described.adapters if entry.adapter.name == adapter), None)
+
+
+def serving_of(described: policy_pb2.PolicyServiceDescribeResponse, adapter: str = "") -> Serving:
+    """What a server serves of the base weights, or (`adapter`) of that LoRA adapter: version -1
+    and no digest while it holds none, so that the learner pushes it."""
+    if not adapter:
+        return Serving(described.policy_version, described.weights_digest)
+    entry = adapter_serving(described, adapter)
+    return Serving(-1, b"") if entry is None else Serving(entry.policy_version, entry.weights_digest)
+
+
 def check_serving(target: str, described: policy_pb2.PolicyServiceDescribeResponse,
-                  names: Sequence[str], digests: Sequence[bytes]) -> None:
+                  names: Sequence[str], digests: Sequence[bytes], adapter: str = "") -> None:
     """After a push of the tensors `names` with `digests` (TensorSpec.digest), the server's
     Describe must report the same set digest; ServingDigestMismatch names the first tensor it
     holds otherwise. A server that reports no digest checked none (an NCCL update on a GPU, or a
-    server older than these digests): nothing to compare."""
+    server older than these digests): nothing to compare. With `adapter`, the digest compared is
+    that LoRA adapter's (Describe's `adapters`), which lists no tensor digests."""
+    if adapter:
+        _check_adapter(target, described, adapter, digests)
+        return
     if not described.weights_digest or not digests:
         return
     if described.weights_digest == set_digest(digests):
@@ -59,6 +78,24 @@ def check_serving(target: str, described: policy_pb2.PolicyServiceDescribeRespon
         f"{serving.get(tensor, b'').hex() or 'none'}, not the {dict(zip(names, digests)).get(tensor, b'').hex() or 'none'} "
         "pushed; it does not serve the weights the learner trained (they are pushed again)",
         Reason.INVALID_WEIGHTS, metadata={"tensor": tensor, "target": target, "pushed_digest": set_digest(digests).hex()})
+
+
+def _check_adapter(target: str, described: policy_pb2.PolicyServiceDescribeResponse, adapter: str,
+                   digests: Sequence[bytes]) -> None:
+    pushed = set_digest(digests) if digests else b""
+    entry = adapter_serving(described, adapter)
+    if entry is None:
+        raise ServingDigestMismatch(
+            f"policy server {target} lists no LoRA adapter {adapter!r} after its push; it does not serve the "
+            "adapter the learner trained (it is pushed again)",
+            Reason.INVALID_WEIGHTS, metadata={"tensor": "", "target": target, "pushed_digest": pushed.hex()})
+    if not entry.weights_digest or not pushed or entry.weights_digest == pushed:
+        return
+    raise ServingDigestMismatch(
+        f"policy server {target} serves LoRA adapter {adapter!r} version {entry.policy_version} with weights digest "
+        f"{entry.weights_digest.hex()}, not the {pushed.hex()} pushed; it does not serve the adapter the learner "
+        "trained (it is pushed again)",
+        Reason.INVALID_WEIGHTS, metadata={"tensor": "", "target": target, "pushed_digest": pushed.hex()})
 
 
 class WeightPusher(Protocol):
@@ -95,4 +132,5 @@ class ReconcilingPusher(WeightPusher, Protocol):
         ...
 
 
-__all__ = ["PushResult", "ReconcilingPusher", "Serving", "ServingDigestMismatch", "WeightPusher", "check_serving"]
+__all__ = ["PushResult", "ReconcilingPusher", "Serving", "ServingDigestMismatch", "WeightPusher", "adapter_serving",
+           "check_serving", "serving_of"]

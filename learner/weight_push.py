@@ -4,7 +4,9 @@ Three transports share one interface, `WeightPusher` (`learner.push_types`):
 
 - "grpc" (`GrpcWeightPusher`, any machine): every policy server receives the full weights as an
   UpdateWeights stream of raw chunks, all servers concurrently. A server swaps its weights in
-  place once the whole stream arrived, so generation pauses only for the swap itself.
+  place once the whole stream arrived, so generation pauses only for the swap itself. With a
+  LoRA adapter (`learner.lora`) it pushes the adapter's tensors alone under the header's
+  `adapter`, and reads each server's version and digest of that adapter (Describe's `adapters`).
 - "nccl" (GPU with vLLM): `learner.vllm_sync` provides `build_weight_pusher(config)` returning a
   `WeightPusher` whose tensors travel over NCCL while UpdateWeights carries only the header. It
   is imported only when chosen.
@@ -21,30 +23,48 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from learner.push_types import PushResult, ReconcilingPusher, Serving, WeightPusher, check_serving
+from learner.push_types import (
+    PushResult,
+    ReconcilingPusher,
+    Serving,
+    WeightPusher,
+    check_serving,
+    serving_of,
+)
 from learner.server_config import LearnerServerConfig
 from sciproto.channel import ServerAccess
-from sciproto.client.policy import PolicyClient, distinct_tensors, push_weights_to_all
+from sciproto.client.policy import PolicyClient, distinct_tensors
 from sciproto.config import ConfigError
 from sciproto.errors import SciprotoError
+from sciproto.lora import LoraSpec
+from sciproto.pb import policy_pb2
 from sciproto.weights.wire import set_digest, tensor_digests
 
 
 class GrpcWeightPusher:
-    """UpdateWeights chunk streams to every target, concurrently."""
+    """UpdateWeights chunk streams to every target, concurrently: the full weights, or with
+    `adapter` that LoRA adapter's tensors, versioned as the adapter."""
 
-    def __init__(self, targets: Sequence[str], timeout_s: float, access: ServerAccess | None = None) -> None:
+    def __init__(self, targets: Sequence[str], timeout_s: float, access: ServerAccess | None = None,
+                 adapter: LoraSpec | None = None) -> None:
         self.targets = list(targets)
         self.timeout_s = timeout_s
+        self.adapter = adapter
+        self._adapter_name = adapter.name if adapter is not None else ""
         self._access = access = access or ServerAccess()
         self._clients = [PolicyClient(access.channel(target)) for target in self.targets]
         self._retired: list[PolicyClient] = []  # clients of policy servers that moved (retarget)
 
     async def serving_versions(self) -> list[int]:
+        """Each server's version (of the adapter: -1 where it holds none yet). With an adapter,
+        ConfigError first names a server that takes no adapter of its rank."""
         described = await asyncio.gather(
             *(c.describe(timeout_s=self.timeout_s) for c in self._clients)
         )
-        return [d.policy_version for d in described]
+        if self.adapter is not None:
+            for target, served in zip(self.targets, described):
+                _check_takes(target, served, self.adapter)
+        return [serving_of(d, self._adapter_name).policy_version for d in described]
 
     async def push(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PushResult:
         return await self.push_to(range(len(self._clients)), state_dict, version)
@@ -59,7 +79,7 @@ class GrpcWeightPusher:
                 described = await client.describe(timeout_s=timeout_s)
             except SciprotoError:
                 return None
-            return Serving(described.policy_version, described.weights_digest)
+            return serving_of(described, self._adapter_name)
 
         return list(await asyncio.gather(*(one(c) for c in self._clients)))
 
@@ -74,10 +94,17 @@ class GrpcWeightPusher:
         tensors = distinct_tensors(state_dict)
         digests = await asyncio.to_thread(tensor_digests, tensors)
         hashed = time.monotonic() - started
-        await push_weights_to_all(clients, tensors, version, timeout_s=self.timeout_s, digests=digests)
+        adapter = self.adapter.to_proto() if self.adapter is not None else None
+        pushes = await asyncio.gather(
+            *(client.push_weights(tensors, version, timeout_s=self.timeout_s, digests=digests, adapter=adapter)
+              for client in clients),
+            return_exceptions=True)
+        for outcome in pushes:  # the first failure, once every push has ended
+            if isinstance(outcome, BaseException):
+                raise outcome
         described = await asyncio.gather(*(client.describe(timeout_s=self.timeout_s) for client in clients))
         for index, serving in zip(indices, described):
-            check_serving(self.targets[index], serving, list(tensors), digests)
+            check_serving(self.targets[index], serving, list(tensors), digests, self._adapter_name)
         return PushResult(policy_version=version, seconds=time.monotonic() - started, servers=len(clients),
                           set_digest=set_digest(digests), hash_seconds=hashed)
 
@@ -93,10 +120,22 @@ class GrpcWeightPusher:
         await asyncio.gather(*(client.close() for client in [*self._clients, *self._retired]))
 
 
+def _check_takes(target: str, described: policy_pb2.PolicyServiceDescribeResponse, adapter: LoraSpec) -> None:
+    """ConfigError unless the server can load `adapter` (Describe's max_adapters, max_adapter_rank)."""
+    if not described.max_adapters:
+        raise ConfigError(f"policy server {target} ({described.backend}) takes no LoRA adapters (Describe: "
+                          f"max_adapters 0), and learner.lora trains adapter {adapter.name!r}; serve the model "
+                          "with a backend that takes adapters, or leave learner.lora unset")
+    if described.max_adapter_rank and adapter.rank > described.max_adapter_rank:
+        raise ConfigError(f"policy server {target} takes LoRA adapters up to rank {described.max_adapter_rank}, "
+                          f"and learner.lora.rank is {adapter.rank}; lower the rank or raise the server's limit")
+
+
 def build_weight_pusher(config: LearnerServerConfig) -> WeightPusher:
-    """The pusher of `config.push_transport` for `config.policy_targets`."""
+    """The pusher of `config.push_transport` for `config.policy_targets` (with `config.lora`,
+    grpc only: the config refuses the others)."""
     if config.push_transport == "grpc":
-        return GrpcWeightPusher(config.policy_targets, config.push_timeout_s, config.policy_access)
+        return GrpcWeightPusher(config.policy_targets, config.push_timeout_s, config.policy_access, config.lora)
     if config.push_transport == "gloo":
         from learner.collective_push import build_gloo_pusher
 
