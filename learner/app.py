@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from learner import lora
 from learner.metrics import MetricsLogger
 from learner.ranks import LeaderGone, RankEnv, Ranks, RanksFailed, follow, join
 from learner.server_config import LearnerServerConfig
@@ -49,14 +50,16 @@ def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> Le
 
 
 def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
-    """The trainer over the same model the policy servers load (same spec and seed)."""
+    """The trainer over the same model the policy servers load (same spec and seed); with
+    `config.lora`, a LoRA adapter over it, the model frozen (learner/lora.py)."""
     from sciproto.models import load_model
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     loaded = load_model(config.model, torch.float32, seed=config.model_seed, device=config.device)
     model = loaded.model.requires_grad_(True)  # load_model hands out an inference-only model
-    trainer = GRPOTrainer(model, config.grpo, pad_token_id=loaded.tokenizer.pad_token_id)
+    trainer = GRPOTrainer(model, config.grpo, pad_token_id=loaded.tokenizer.pad_token_id, lora=config.lora,
+                          model_name=loaded.name)
     return trainer, loaded.name
 
 
@@ -134,6 +137,7 @@ async def start(
     once (stopping the server saves the final checkpoint). `serve` waits for a signal around it; a
     cluster engine's actor calls it directly. On a rank other than 0: the follower."""
     rank_env = RankEnv.from_environ()
+    lora.check(config.lora, world_size=rank_env.world_size)  # before the ranks wait for each other
     store = await asyncio.to_thread(join, rank_env)
     trainer, model_name = build_trainer(config)
     if rank_env.rank > 0:
@@ -155,8 +159,9 @@ async def start(
         auth=authenticator,
     )
     log.info(
-        "training %s (step %d, version %d, %s compute over fp32 weights, %d rank(s)) on %s:%d; pushing %s to %s",
+        "training %s%s (step %d, version %d, %s compute over fp32 weights, %d rank(s)) on %s:%d; pushing %s to %s",
         model_name,
+        "" if trainer.lora is None else f" with {trainer.lora.summary()}",
         trainer.step,
         trainer.policy_version,
         config.grpo.precision,

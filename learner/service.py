@@ -501,6 +501,7 @@ class LearnerServicer:
                     f"weights.{self.config.push_transport}",
                     "weights.reconcile",
                     "checkpoint.resume",
+                    *self._lora_capability(),
                 ],
                 service=pb.LEARNER_SERVICE,
                 auth=self.config.auth,
@@ -512,6 +513,11 @@ class LearnerServicer:
             buffer=self.buffer_state(),
             precision=self.config.grpo.precision,
         )
+
+    def _lora_capability(self) -> list[str]:
+        """With a LoRA adapter: "weights.lora:<name>:r<rank>", what it trains and pushes."""
+        spec = self.config.lora
+        return [] if spec is None else [f"weights.lora:{spec.name}:r{spec.rank}"]
 
     def buffer_state(self) -> learner_pb2.RolloutBufferState:
         counters = self.buffer.counters
