@@ -8,6 +8,18 @@ are prefilled and merged into it between two decode steps. Weight updates are ap
 decode steps too: each token is sampled by one version's weights, and a sample running across an
 update goes on over the KV cache the old weights computed (its version spans say where; the
 learner counts those tokens as sampled by no single version, `learner.grpo.whole_versions`).
+
+LoRA adapters (protocol 1.4, `AdapterBackend`): besides its base weights the backend holds up to
+`max_adapters` named adapters of rank up to `max_adapter_rank` (the config's `adapters:` section).
+The model is never wrapped: a request naming an adapter has its rows' outputs of each targeted
+linear layer raised by that adapter's `scale * B A x` (`policy_server.backends.lora_rows`), so base
+rows and rows of different adapters decode in one batch, and a batch of base rows only runs with
+no adapter hook at all. An adapter is added or replaced between decode steps like a full-weight
+update; the base weights and the other adapters stay as they are. Versions are per adapter: a
+sample's version spans carry its adapter's versions (the base's for a base sample), and only an
+update of that adapter starts a new span in it. A full-weight update changes what adapter samples
+are drawn from too, yet starts no span in them: their spans track the adapter's version only (a
+server shared by LoRA runs takes no full-weight updates, `policy.address`).
 """
 
 from __future__ import annotations
@@ -29,9 +41,11 @@ import torch
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.base import COLLECTIVE_CAPABILITIES
 from policy_server.backends.decode_batch import DecodeBatch
+from policy_server.backends.lora_rows import LoraRows, LoraWeights, Routing
 from policy_server.backends.sampling import sample_next_tokens
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
+    AdapterState,
     BackendInfo,
     FinishReason,
     GenerationRequest,
@@ -43,6 +57,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.lora import LoraSpec
 from sciproto.models import LoadedModel, load_model
 from sciproto.prompts import prompt_token_ids
 from sciproto.weights.group import WeightGroup
@@ -62,6 +77,7 @@ class _Job:
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    adapter: str = ""  # the LoRA adapter its samples use; "": the base weights
     cancelled: bool = False
 
 
@@ -95,6 +111,12 @@ class _WeightUpdate:
     done: Future
 
 
+@dataclass
+class _AdapterUpdate:
+    weights: LoraWeights  # already on the model's device: installing it swaps a reference
+    done: Future
+
+
 _CLOSE = object()
 
 # An idle engine waits for a burst of calls to end, but not longer than this many batch windows.
@@ -105,8 +127,10 @@ BATCH_WINDOW_LIMIT = 10
 
 
 class TransformersBackend:
-    """PolicyBackend over a `LoadedModel`. `stream_interval` is how many tokens a sample gathers
-    before a TokenDelta goes out; `stall_timeout_s` bounds the wait for the next event."""
+    """PolicyBackend and AdapterBackend over a `LoadedModel`. `stream_interval` is how many tokens
+    a sample gathers before a TokenDelta goes out; `stall_timeout_s` bounds the wait for the next
+    event; `max_adapters` LoRA adapters of rank up to `max_adapter_rank` are served beside the base
+    weights (0: none)."""
 
     def __init__(
         self,
@@ -116,6 +140,8 @@ class TransformersBackend:
         stream_interval: int = 8,
         stall_timeout_s: float = 600.0,
         collective: CollectiveRendezvous | None = None,
+        max_adapters: int = 4,
+        max_adapter_rank: int = 64,
     ) -> None:
         if batch_window_s < 0 or max_batch_rows < 1 or stream_interval < 1 or stall_timeout_s <= 0:
             raise ValueError(
@@ -137,6 +163,11 @@ class TransformersBackend:
         ]
         self._parameters = dict(self._model.named_parameters())
         self._version = 0
+        self._lora = LoraRows(self._model, dtype_name(self._model.dtype), max_adapters, max_adapter_rank)
+        self.max_adapters = max_adapters
+        self.max_adapter_rank = max_adapter_rank
+        self._routing_key: tuple[object, object] | None = None  # (rows, held adapters) `_routing` was built for
+        self._routing: Routing | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[_Job] = []  # taken from the inbox, not yet prefilled
         self._prefilling: list[_Job] = []  # admitted this step, rows not yet created
@@ -161,7 +192,8 @@ class TransformersBackend:
             quantization="",
             max_context=self._loaded.max_context,
             policy_version=self._version,
-            capabilities=list(BASE_CAPABILITIES) + (COLLECTIVE_CAPABILITIES if self._weight_group else []),
+            capabilities=list(BASE_CAPABILITIES) + (COLLECTIVE_CAPABILITIES if self._weight_group else [])
+            + (["lora_adapters"] if self.max_adapters > 0 else []),
             supports_weight_updates=True,
         )
 
@@ -178,6 +210,9 @@ class TransformersBackend:
     ) -> AsyncIterator[TokenDelta | SampleResult]:
         if self._closed:
             raise RuntimeError("backend is closed")
+        if request.adapter and request.adapter not in self._lora.held:
+            held = ", ".join(sorted(self._lora.held)) or "none"
+            raise ValueError(f"no adapter named {request.adapter!r} is loaded (loaded: {held})")
         prompt = prompt_token_ids(self._tokenizer, request, self._stop_ids)
         room = self._loaded.max_context - len(prompt)
         if room < 1:
@@ -190,6 +225,7 @@ class TransformersBackend:
             max_new_tokens=min(request.sampling.max_tokens, room),
             loop=asyncio.get_running_loop(),
             events=asyncio.Queue(),
+            adapter=request.adapter,
         )
         self._start_engine()
         self._inbox.put(job)
@@ -216,7 +252,10 @@ class TransformersBackend:
             )
         if self._closed:
             raise RuntimeError("backend is closed")
-        update = _WeightUpdate(version, tensors, Future())
+        await self._submit(_WeightUpdate(version, tensors, Future()))
+
+    async def _submit(self, update: _WeightUpdate | _AdapterUpdate) -> None:
+        """Hand an update to the engine, which applies it between two decode steps, and wait."""
         self._start_engine()
         self._inbox.put(update)
         try:
@@ -232,6 +271,25 @@ class TransformersBackend:
                 raise update.done.exception() from None
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise
+
+    # -- AdapterBackend --------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, AdapterState]:
+        return self._lora.states()
+
+    def adapter_manifest(self, spec: LoraSpec) -> list[TensorSpec]:
+        return self._lora.manifest(spec)
+
+    async def update_adapter(self, spec: LoraSpec, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate (ValueError naming the tensor, or saying why the adapter cannot be taken:
+        past max_adapters, another shape under a held name, a version not newer; nothing changes),
+        copy the tensors to the model's device, and install them between two decode steps."""
+        validate_weight_update(self._lora.manifest(spec), tensors)
+        self._lora.check_room(spec, version)
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        weights = await asyncio.to_thread(self._lora.prepare, spec, version, tensors)
+        await self._submit(_AdapterUpdate(weights, Future()))
 
     async def receive_weights_collective(self, version: int, specs: list[TensorSpec],
                                    digests: Sequence[tuple[str, bytes]] = ()) -> bool:
@@ -285,6 +343,8 @@ class TransformersBackend:
             for command in commands:
                 if isinstance(command, _WeightUpdate):
                     self._apply_weight_update(command)
+                elif isinstance(command, _AdapterUpdate):
+                    self._apply_adapter_update(command)
                 elif command is not _CLOSE:
                     self._waiting.append(command)
             if _CLOSE in commands:
@@ -329,11 +389,39 @@ class TransformersBackend:
                     self._parameters[name].copy_(tensor)
                 self._version = update.version
             for row in self._rows:
-                row.version_marks.append((len(row.tokens), update.version))
+                if not row.job.adapter:  # adapter samples' spans track their adapter's versions
+                    row.version_marks.append((len(row.tokens), update.version))
         except Exception as error:  # noqa: BLE001 -- handed to the caller awaiting the update
             update.done.set_exception(error)
         else:
             update.done.set_result(None)
+
+    def _apply_adapter_update(self, update: _AdapterUpdate) -> None:
+        weights = update.weights
+        try:
+            with self._engine_lock:
+                # claimed under the lock, as a full-weight update is
+                if not update.done.set_running_or_notify_cancel():
+                    return  # its caller gave up waiting: never applied
+                # checked again: another update may have been applied since the caller checked
+                self._lora.check_room(weights.spec, weights.version)
+                self._lora.install(weights)
+            for row in self._rows:
+                if row.job.adapter == weights.spec.name:
+                    row.version_marks.append((len(row.tokens), weights.version))
+        except Exception as error:  # noqa: BLE001 -- handed to the caller awaiting the update
+            update.done.set_exception(error)
+        else:
+            update.done.set_result(None)
+
+    def _decode_routing(self) -> Routing | None:
+        """The adapter routing of the running rows, rebuilt only when the rows or the adapters
+        changed (every change assigns a new `self._rows` list or a new held mapping)."""
+        key = (self._rows, self._lora.held)
+        if self._routing_key is None or self._routing_key[0] is not key[0] or self._routing_key[1] is not key[1]:
+            self._routing = self._lora.routing([row.job.adapter for row in self._rows])
+            self._routing_key = key
+        return self._routing
 
     def _step(self) -> None:
         """One decode step for the running rows, plus the prefill of waiting jobs that fit."""
@@ -344,11 +432,13 @@ class TransformersBackend:
         with self._engine_lock:
             logits = []
             if self._batch is not None:
-                logits.append(self._batch.decode(self._model, self._next_tokens))
+                with self._lora.applied(self._decode_routing()):
+                    logits.append(self._batch.decode(self._model, self._next_tokens))
             if joining:
-                new_batch, new_logits = DecodeBatch.prefill(
-                    self._model, [job.prompt for job in joining], self._pad_id
-                )
+                with self._lora.applied(self._lora.routing([job.adapter for job in joining])):
+                    new_batch, new_logits = DecodeBatch.prefill(
+                        self._model, [job.prompt for job in joining], self._pad_id
+                    )
                 # the n samples of a job share its prompt's prefill: repeat its cache rows n times
                 samples = torch.tensor([job.sampling.n for job in joining])
                 repeat = torch.arange(len(joining)).repeat_interleave(samples)
@@ -396,10 +486,11 @@ class TransformersBackend:
         return joining
 
     def _new_rows(self, job: _Job) -> list[_Row]:
+        version = self._lora.version(job.adapter) if job.adapter else self._version
         seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(63)
         return [
             # each sample's own stream: the same (seed, index) draws the same numbers in any batch
-            _Row(job, index, random.Random(f"{seed}:{index}"), [(0, self._version)])
+            _Row(job, index, random.Random(f"{seed}:{index}"), [(0, version)])
             for index in range(job.sampling.n)
         ]
 
@@ -539,7 +630,9 @@ def build_backend(config: PolicyServerConfig) -> TransformersBackend:
     options = config.transformers
     loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
     return TransformersBackend(loaded, batch_window_s=options.batch_window_s, max_batch_rows=options.max_batch_rows,
-                               stream_interval=options.stream_interval, collective=config.weights.collective)
+                               stream_interval=options.stream_interval, collective=config.weights.collective,
+                               max_adapters=config.adapters.max_adapters,
+                               max_adapter_rank=config.adapters.max_rank)
 
 
 def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
