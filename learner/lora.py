@@ -90,7 +90,7 @@ class LoraWeights:
         carries them): copies, the masters untouched."""
         from peft import get_peft_model_state_dict
 
-        tensors = get_peft_model_state_dict(self.peft_model)
+        tensors = get_peft_model_state_dict(self.peft_model, save_embedding_layers=False)
         return {name: tensor.detach().to("cpu", dtype, copy=True) for name, tensor in tensors.items()}
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -98,7 +98,7 @@ class LoraWeights:
         unexpected one."""
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        expected = set(get_peft_model_state_dict(self.peft_model))
+        expected = set(get_peft_model_state_dict(self.peft_model, save_embedding_layers=False))
         if set(tensors) != expected:
             name = next(iter(sorted(expected ^ set(tensors))))
             raise ValueError(f"the adapter's tensors do not match {self.spec.name!r}: {name!r} is "
