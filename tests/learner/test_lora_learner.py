@@ -15,6 +15,9 @@ import pytest
 import torch
 from learner_fixtures import MEASURED, VOCAB, make_group, tiny_model
 from pydantic import ValidationError
+from safetensors.torch import load_file
+from test_learner_service import TrainStream, describe, learner_config, start_learner
+from test_learner_service import make_group as wire_group
 
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.config import GRPOConfig
@@ -25,9 +28,14 @@ from learner.ranks import Ranks
 from learner.server_config import LearnerServerConfig
 from learner.trainer import GRPOTrainer
 from learner.types import Objective, RolloutGroup, TrainSample
+from sciproto.channel import make_channel
+from sciproto.client.policy import PolicyClient, generate_request
 from sciproto.config import ConfigError
 from sciproto.lora import ADAPTER_PREFIX, LoraSpec, adapter_tensor_specs, linear_layers
+from sciproto.models import load_model
 from sciproto.pb import policy_pb2
+from sciproto.processes import start_server
+from sciproto.rundir import checkpoint_dir
 from sciproto.weights.wire import set_digest, tensor_digests
 
 SPEC = LoraSpec(name="run-a", rank=4, alpha=8.0)
@@ -115,8 +123,6 @@ def test_a_lora_resume_takes_the_step_an_uninterrupted_run_takes(tmp_path: Path)
     assert manifest["lora"]["spec"]["rank"] == 4 and manifest["lora"]["base_model"] == "tiny-a"
     state = torch.load(saved / "trainer_state.pt", weights_only=True)
     # The adapter's tensors and AdamW state alone, not the base's.
-    from safetensors.torch import load_file
-
     assert sorted(load_file(str(saved / "model.safetensors"))) == sorted(_adapter(first))
     assert len(state["optimizer"]["state"]) == len(_adapter(first))
 
@@ -276,3 +282,47 @@ def test_a_lora_learner_pushes_its_adapter_at_start(lora: LoraSpec | None, versi
         assert pusher.pushes == []
     else:
         assert pusher.pushes == [(list(_adapter(trainer)), pushed)] and trainer.policy_version == pushed
+
+
+def test_a_lora_learner_trains_the_adapter_a_real_policy_server_samples(tmp_path: Path) -> None:
+    """A tiny policy server (adapters on by default) and a LoRA learner, as processes: the adapter
+    is there at version 0 before any step, a step pushes version 1, which the server checked to be
+    the tensors the learner's checkpoint holds, and the base weights stay as they started."""
+    policy = start_server(["serve", "policy", "--model", "tiny", "--port", "0"])
+    try:
+        run_dir = tmp_path / "run"
+        learner = start_learner(learner_config(run_dir, policy, checkpoint_every=1,
+                                               lora={"name": "run-a", "rank": 4, "alpha": 8.0}))
+        try:
+            asyncio.run(_train_one_step(policy.target, learner.target, run_dir))
+        finally:
+            learner.stop()
+    finally:
+        policy.stop()
+
+
+async def _train_one_step(policy: str, learner: str, run_dir: Path) -> None:
+    async with PolicyClient(policy) as client:
+        (adapter,) = (await client.describe(timeout_s=30)).adapters
+        assert (adapter.adapter.name, adapter.adapter.rank, adapter.policy_version) == ("run-a", 4, 0)
+        sampled = await client.generate_group(generate_request(prompt_token_ids=[5, 6, 7], max_tokens=4,
+                                                               adapter="run-a"))
+        assert sampled.policy_version == 0
+        channel = make_channel(learner)
+        try:
+            assert "weights.lora:run-a:r4" in (await describe(channel)).server.capabilities
+            stream = TrainStream(channel)
+            for n in range(2):
+                await stream.send(wire_group(f"g{n}", version=0, seed=n))
+            step = await stream.next("step")
+            assert (step.step, step.policy_version) == (1, 1)
+            await stream.close()
+        finally:
+            await channel.close()
+        served = await client.describe(timeout_s=30)
+    (adapter,) = served.adapters
+    assert adapter.policy_version == 1
+    assert (served.policy_version, served.weights_digest) == (0, b"")  # the base: never pushed
+    saved = load_file(str(checkpoint_dir(run_dir, 1) / "model.safetensors"))
+    names = [spec.name for spec in adapter_tensor_specs(linear_layers(load_model("tiny").model), SPEC, "float32")]
+    assert adapter.weights_digest == set_digest(tensor_digests({name: saved[name] for name in names}))
