@@ -97,8 +97,8 @@ class LearnerServerConfig(BaseModel):
     lora: LoraSpec | None = Field(
         None,
         description=(
-            "Train this LoRA adapter on the frozen base model and push only it (`--set lora.rank=8`; "
-            "None: train and push the full weights). One learner rank, precision fp32 or bf16, "
+            "Train this LoRA adapter on the frozen base model and push only it (`--set lora.rank=8`; unset: "
+            "train and push the full weights). One learner rank, precision fp32 or bf16, "
             "push_transport grpc"
         ),
     )

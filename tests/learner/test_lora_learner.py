@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_fixtures import MEASURED, VOCAB, make_group, tiny_model
+from learner_fixtures import MEASURED, VOCAB, make_group, tiny_model, with_shared_prompt
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from test_learner_service import TrainStream, describe, learner_config, start_learner
@@ -106,6 +106,29 @@ def test_the_kl_reference_is_the_base_with_the_adapter_switched_off() -> None:
     on = trainer.model(input_ids=ids).logits.detach()
     base = tiny_model(seed=0)(input_ids=ids).logits.detach()
     assert torch.equal(off, base) and not torch.allclose(on, base)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_the_shared_prefix_cache_runs_through_the_adapter(precision: str, tolerance: float) -> None:
+    """The prompt a group shares runs once, its key/value cache made by the adapter's linears: the
+    same step as every sequence in full (the trainer forwards the transformers model itself)."""
+    prompt = list(range(40, 60))
+    batches = [[with_shared_prompt(group, prompt) for group in batch] for batch in _batches()[:2]]
+    steps = {}
+    for shared in (0, 8):
+        config = GRPOConfig(lr=1e-2, precision=precision, shared_prefix_min_tokens=shared)
+        trainer = GRPOTrainer(tiny_model(seed=0), config, lora=SPEC)
+        cached_calls: list[bool] = []
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs, calls=cached_calls: calls.append(bool(kwargs.get("use_cache"))),
+            with_kwargs=True)
+        steps[shared] = ([trainer.train_step(batch).loss for batch in batches], _adapter(trainer))
+        assert any(cached_calls) == bool(shared)  # the prefix ran once, through the cache
+    (full_losses, full), (shared_losses, cached) = steps[0], steps[8]
+    assert shared_losses == pytest.approx(full_losses, rel=tolerance, abs=tolerance)
+    for name in full:
+        torch.testing.assert_close(cached[name], full[name], rtol=tolerance, atol=tolerance)
+    assert any(full[name].any() for name in full if name.endswith("lora_B.weight"))
 
 
 def test_a_lora_resume_takes_the_step_an_uninterrupted_run_takes(tmp_path: Path) -> None:
