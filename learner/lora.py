@@ -135,11 +135,11 @@ class LoraWeights:
                               f"{self.base_digest.hex()}); set learner.model as the run's, or use another run_dir")
 
 
-def check(spec: LoraSpec | None, **settings: Any) -> None:
+def refuse_unsupported(spec: LoraSpec | None, **settings: Any) -> None:
     """ConfigError with `refusal`'s line, if any."""
     reason = refusal(spec, **settings)
     if reason is not None:
         raise ConfigError(reason)
 
 
-__all__ = ["LoraWeights", "base_digest", "check", "refusal"]
+__all__ = ["LoraWeights", "base_digest", "refusal", "refuse_unsupported"]

@@ -24,7 +24,7 @@ from learner.grpo import (
     split_micro_batches,
     split_mini_batches,
 )
-from learner.lora import LoraWeights, check
+from learner.lora import LoraWeights, refuse_unsupported
 from learner.memory import StepMemory
 from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix
@@ -173,7 +173,7 @@ class GRPOTrainer:
         torch.manual_seed(config.seed)
         self.device = next(model.parameters()).device
 
-        check(lora, precision=config.precision, world_size=self.context.world_size)
+        refuse_unsupported(lora, precision=config.precision, world_size=self.context.world_size)
 
         self.reference_model: nn.Module | None = None
         if config.kl_coef > 0 and (reference_model is not None or lora is None):
