@@ -29,3 +29,14 @@ def test_reset_options_are_sent_with_every_reset_beside_the_observation() -> Non
     assert config.rollout.options == {"action": "code", "cell_reward": "0.1", "observation": "state"}
     with pytest.raises(ConfigError, match="rollout.observation state needs rollout.grouping step"):
         load_train_config("demo", ["rollout.reset_options.observation=state"])
+
+
+def test_a_shared_policy_server_takes_only_an_adapter_and_never_reaches_the_started_servers_section() -> None:
+    with pytest.raises(ConfigError, match="a shared policy server takes each run's LoRA adapter"):
+        load_train_config("demo", ["policy.address=127.0.0.1:50052"])
+    with pytest.raises(ConfigError, match="cluster.engine ray starts its own"):
+        load_train_config("demo", ["policy.address=127.0.0.1:50052", "learner.lora.name=a", "cluster.engine=ray"])
+    config = load_train_config("demo", ["policy.address=127.0.0.1:50052", "learner.lora.name=run-a"])
+    assert config.policy.address == "127.0.0.1:50052"
+    # The `policy:` section a started policy server would read has no such key (it refuses unknown keys).
+    assert "address" not in config.model_dump(mode="json")["policy"]
