@@ -28,7 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, serve_checkpoint
+from clients.eval import (
+    EvalConfig,
+    EvalReport,
+    checkpoint_adapter,
+    eval_config_for_run,
+    evaluate,
+    serve_checkpoint,
+)
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
 from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics
@@ -66,7 +73,7 @@ async def evaluate_checkpoint(env_target: str, checkpoint: Path, config: EvalCon
     async with serve_checkpoint(checkpoint, config.checkpoint, output.with_name(output.stem + ".policy.log")) as (
             target, label):
         return await evaluate([env_target], [target], tasks, limit=limit, greedy=True, samples=0, concurrency=32,
-                              config=config, output=output, policy_label=label)
+                              config=config, output=output, policy_label=label, adapter=checkpoint_adapter(checkpoint))
 
 
 def train_figures(run_dir: Path) -> dict:

@@ -168,16 +168,27 @@ def retie(weights: dict) -> dict:
     return kept
 
 
+def checkpoint_adapter(path: Path) -> str:
+    """The name of the LoRA adapter a checkpoint holds ("" for full weights): what an evaluation of
+    it samples with, once `serve_checkpoint` has pushed it."""
+    manifest = json.loads((checkpoint_folder(path) / MANIFEST_FILE).read_text())
+    return (manifest.get("lora") or {}).get("spec", {}).get("name", "")
+
+
 @contextlib.asynccontextmanager
 async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Path | None = None
                            ) -> AsyncIterator[tuple[str, str]]:
-    """A policy server child serving the checkpoint's weights; yields (target, description)."""
+    """A policy server child serving the checkpoint's weights; yields (target, description). A LoRA
+    checkpoint's adapter is pushed under its name beside the base (`checkpoint_adapter`)."""
     import torch  # only a checkpoint needs torch here
     from safetensors.torch import load_file
+
+    from sciproto.lora import LoraSpec
 
     folder = checkpoint_folder(path)
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     model, seed = base_model_of(folder, settings.model)
+    lora = manifest.get("lora")
     threads = {"OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
     process: ServerProcess = await asyncio.to_thread(
         start_server, ["serve", "policy", "--model", model, "--port", "0", "--set", f"dtype={settings.dtype}",
@@ -185,15 +196,20 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
         timeout_s=settings.start_timeout_s, log_file=log_file, env=threads if settings.threads else None)
     try:
         dtype = getattr(torch, settings.dtype)
-        weights = retie({name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                         for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()})
+        weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                   for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
         client = PolicyClient(make_channel(process.target))
+        version = max(1, int(manifest.get("policy_version", 0)))
         try:
-            await client.push_weights(weights, max(1, int(manifest.get("policy_version", 0))),
-                                      timeout_s=settings.push_timeout_s)
+            if lora:
+                await client.push_weights(weights, version, timeout_s=settings.push_timeout_s,
+                                          adapter=LoraSpec(**lora["spec"]).to_proto())
+            else:
+                await client.push_weights(retie(weights), version, timeout_s=settings.push_timeout_s)
         finally:
             await client.close()
-        yield process.target, f"{folder} ({model}, step {manifest.get('step')})"
+        what = f"adapter {lora['spec']['name']!r} on {model}" if lora else model
+        yield process.target, f"{folder} ({what}, step {manifest.get('step')})"
     finally:
         await asyncio.to_thread(process.stop, settings.stop_timeout_s)
 
@@ -202,8 +218,8 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
 
 
 async def run_pass(name: str, *, env: EnvPool, policy: PolicyPool, env_name: str, split: str, count: int, samples: int,
-                   sampling: Sampling, concurrency: int, config: EvalConfig, rollouts_path: Path | None
-                   ) -> PassReport:
+                   sampling: Sampling, concurrency: int, config: EvalConfig, rollouts_path: Path | None,
+                   adapter: str = "") -> PassReport:
     """One pass over tasks 0..count-1 with `samples` each; its rollouts go to `rollouts_path`."""
     records: list[RolloutRecord] = []
     started = time.monotonic()
@@ -213,7 +229,7 @@ async def run_pass(name: str, *, env: EnvPool, policy: PolicyPool, env_name: str
         async for group in collect(tasks_of(env_name, split, count), env=env, policy=policy, samples=samples,
                                    concurrency=concurrency, sampling=sampling, max_steps=config.max_steps,
                                    max_tokens=config.max_tokens, retries=config.retries,
-                                   deadlines=config.deadlines):
+                                   deadlines=config.deadlines, adapter=adapter):
             records += group.rollouts
             if sink:
                 sink.writelines(r.to_json_line() for r in group.rollouts)
@@ -231,8 +247,9 @@ async def run_pass(name: str, *, env: EnvPool, policy: PolicyPool, env_name: str
 
 async def evaluate(env_targets: Sequence[str], policy_targets: Sequence[str], tasks: str, *, limit: int | None,
                    greedy: bool, samples: int, concurrency: int, config: EvalConfig, output: Path | None,
-                   policy_label: str | None = None) -> EvalReport:
-    """Run the passes against running servers and return the report (rollouts beside `output`)."""
+                   policy_label: str | None = None, adapter: str = "") -> EvalReport:
+    """Run the passes against running servers and return the report (rollouts beside `output`);
+    `adapter` names the policy servers' LoRA adapter to sample with ("": the base weights)."""
     env_name, split = parse_tasks(tasks)
     started = time.monotonic()
     interceptors = client_interceptors(config.tracing)
@@ -252,7 +269,7 @@ async def evaluate(env_targets: Sequence[str], policy_targets: Sequence[str], ta
             rollouts_path = output.with_name(f"{output.stem}.{name}.jsonl") if output else None
             passes[name] = await run_pass(name, env=env, policy=policy, env_name=env_name, split=split, count=count,
                                           samples=k, sampling=sampling, concurrency=concurrency, config=config,
-                                          rollouts_path=rollouts_path)
+                                          rollouts_path=rollouts_path, adapter=adapter)
     return EvalReport(env=env_name, split=split, tasks=count, policy=policy_label or ",".join(policy_targets),
                       model=described.model, policy_version=described.policy_version, passes=passes,
                       seconds=round(time.monotonic() - started, 3), created_unix=time.time())
@@ -267,7 +284,8 @@ async def run_eval(env_targets: Sequence[str], policy_targets: Sequence[str], ch
     log_file = output.with_name(f"{output.stem}.policy.log") if output else None
     async with serve_checkpoint(checkpoint, config.checkpoint, log_file) as (target, label):
         return await evaluate(env_targets, [target], tasks, limit=limit, greedy=greedy, samples=samples,
-                              concurrency=concurrency, config=config, output=output, policy_label=label)
+                              concurrency=concurrency, config=config, output=output, policy_label=label,
+                              adapter=checkpoint_adapter(checkpoint))
 
 
 # ---------------------------------------------------------------------- the command
@@ -373,5 +391,15 @@ def eval_config_for_run(config: str, overrides: list[str]) -> EvalConfig:
                       checkpoint=CheckpointServing(model=train.policy.model, dtype=train.policy.dtype))
 
 
-__all__ = ["CheckpointServing", "EvalConfig", "EvalError", "EvalReport", "eval_config_for_run", "evaluate", "main",
-           "run_eval", "serve_checkpoint"]
+__all__ = [
+    "CheckpointServing",
+    "EvalConfig",
+    "EvalError",
+    "EvalReport",
+    "checkpoint_adapter",
+    "eval_config_for_run",
+    "evaluate",
+    "main",
+    "run_eval",
+    "serve_checkpoint",
+]

@@ -1,7 +1,8 @@
 """Two `sciproto train` runs share one policy server (`policy.address`), each training its own LoRA
 adapter (`learner.lora`): each learns the demo's toy task, the server ends holding both adapters at
 their runs' last versions with the digests of their runs' checkpoints, its base weights untouched,
-and the run that stops first leaves the other training. Real processes throughout."""
+and the run that stops first leaves the other training; `sciproto eval` of a LoRA checkpoint samples
+with its adapter. Real processes throughout."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ async def describe(target: str):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1100)
 def test_two_runs_train_their_own_adapters_on_one_policy_server(tmp_path: Path, shared_policy: ServerProcess
                                                                  ) -> None:
     long = train(tmp_path, "team-a", shared_policy.target, "--set", "budget.max_seconds=600")
@@ -99,3 +100,22 @@ def test_two_runs_train_their_own_adapters_on_one_policy_server(tmp_path: Path, 
         assert adapters[name].weights_digest == adapter_digest(run_dir, name), f"{name} serves other weights"
         assert adapters[name].adapter.rank == 8
     assert served.policy_version == 0 and not served.weights_digest, "a run pushed the base weights"
+
+    evaluate_with_the_adapter(tmp_path, "team-a")
+
+
+def evaluate_with_the_adapter(tmp_path: Path, name: str) -> None:
+    """`sciproto eval --checkpoint` of a LoRA run serves the base and pushes the adapter, and samples with it:
+    the random base scores near 0 on the toy task, the trained adapter above 0.8."""
+    env = start_server(["serve", "env", "--env", "toy", "--port", "0"], timeout_s=120)
+    try:
+        report_path = tmp_path / "eval.json"
+        done = subprocess.run([sys.executable, "-m", "sciproto", "eval", "--env", env.target, "--tasks", "toy:test",
+                               "--checkpoint", str(tmp_path / name), "--limit", "16",
+                               "--output", str(report_path)], capture_output=True, text=True, timeout=240, check=False)
+    finally:
+        env.stop()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert f"adapter {name!r} on tiny" in report["policy"]
+    assert report["passes"]["greedy"]["mean_reward"] > 0.8, report["passes"]["greedy"]
