@@ -15,7 +15,7 @@ Output: {"policy": {backend: {"full_push_s", "lora_push_s", "push_ratio_lora_ove
          "base_tokens_per_s", "lora_tokens_per_s", "tokens_ratio_lora_over_base"}},
          "learner": {"full": {...}, "lora": {...}, "step_ratio_lora_over_full", "rss_ratio_lora_over_full"},
          "gain": {...} (with --gain-seconds)}
-Usage: python bench/lora.py [--backends transformers vllm] [--rank 8] [--repeats 5] [--gain-seconds 0]
+Usage: python bench/lora.py [--backends transformers vllm] [--rank 8] [--repeats 3] [--gain-seconds 0]
        [--output FILE]
 """
 
