@@ -46,6 +46,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ENGINE_OPTIONS = VllmOptions(enforce_eager=True, max_model_len=1024, kv_cache_bytes=128 * 2**20, stall_timeout_s=120)
 ADAPTERS = AdapterOptions(max_adapters=2, max_rank=8)
 on_engine = pytest.mark.asyncio(loop_scope="module")  # the loop the engine's output handler runs on
+# A prompt of whole KV blocks, which the prefix cache keeps after a request (short prompts fill none)
+LONG_PROMPT = [(7 * i + 3) % 250 + 5 for i in range(300)]
 
 
 # -- without an engine ----------------------------------------------------------------------------
@@ -262,6 +264,7 @@ async def test_an_adapter_update_mid_sample_splits_only_that_adapters_spans(engi
     old_version = await push(engine, ATTENTION, adapter_tensors(ATTENTION, 1, base))
     await push(engine, MLP, adapter_tensors(MLP, 2, base))
     lora_id = engine._lora.lora_id("attn")
+    await collect(engine, request(LONG_PROMPT, "attn", max_tokens=2))  # its KV, the old adapter's, is cached
     old = peft_model(0, ATTENTION, adapter_tensors(ATTENTION, 1, base))
     mlp = peft_model(0, MLP, adapter_tensors(MLP, 2, base))
     replacement = adapter_tensors(ATTENTION, 7, base)
@@ -295,9 +298,10 @@ async def test_an_adapter_update_mid_sample_splits_only_that_adapters_spans(engi
     assert_serves(mlp, PROMPTS[1], mlp_result.completion_token_ids, mlp_result.logprobs)
     assert [span.version for span in base_result.version_spans] == [engine.info().policy_version]
     assert_serves(base, PROMPTS[1], base_result.completion_token_ids, base_result.logprobs)
-    # a new sample of the adapter is the replacement's (the prefix cache held the old one's KV)
-    (result,) = await collect(engine, request(PROMPTS[0], "attn"))
-    assert_serves(new, PROMPTS[0], result.completion_token_ids, result.logprobs)
+    # a new sample of the adapter is the replacement's, also where the prefix cache holds the old one's KV
+    for prompt in (PROMPTS[0], LONG_PROMPT):
+        (result,) = await collect(engine, request(prompt, "attn", max_tokens=8))
+        assert_serves(new, prompt, result.completion_token_ids, result.logprobs)
 
 
 @on_engine
