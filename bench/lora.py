@@ -122,7 +122,9 @@ def bench_policy(backends: list[str], rank: int, repeats: int) -> dict[str, Any]
     for backend in backends:
         progress(f"starting a {backend} policy server ({MODEL})")
         env = {**os.environ, **VLLM_ENV} if backend == "vllm" else None
-        server = start_server(["serve", "policy", "--port", "0", "--model", MODEL, "--set", f"backend={backend}"],
+        # One adapter of this rank: vLLM's CPU kernels cost every request by the largest rank taken.
+        server = start_server(["serve", "policy", "--port", "0", "--model", MODEL, "--set", f"backend={backend}",
+                               "--set", "adapters.max_adapters=1", "--set", f"adapters.max_rank={rank}"],
                               timeout_s=900, env=env)
         try:
             results[backend] = asyncio.run(bench_server(server.target, full, adapter, spec, repeats))
@@ -165,7 +167,7 @@ def learner_child(mode: str, rank: int, steps: int) -> dict[str, Any]:
     loaded = load_model(MODEL, dtype=torch.float32, seed=0)
     spec = spec_of(rank) if mode == "lora" else None
     trainer = GRPOTrainer(loaded.model, GRPOConfig(lr=1e-5, max_staleness=4), lora=spec, model_name=MODEL)
-    batch = synthetic_batch(len(loaded.tokenizer), groups=2, samples=8, prompt=64, completion=32)
+    batch = synthetic_batch(len(loaded.tokenizer), groups=2, samples=4, prompt=48, completion=32)
     times, push_s = [], []
     for _ in range(steps):
         start = time.perf_counter()

@@ -308,6 +308,7 @@ class TrainConfig(BaseModel):
                 f"rollout.tasks uses environment {env!r} but env.envs is {self.env.envs}"
             )
         check_phases(self.phases)
+        self._size_the_policy_server_for_the_adapter()
         if self.policy.address is not None:
             if self.learner.lora is None:
                 raise ValueError(
@@ -319,6 +320,23 @@ class TrainConfig(BaseModel):
                 raise ValueError("policy.address shares a running policy server; cluster.engine ray starts its"
                                  " own: leave one of them unset")
         return self
+
+    def _size_the_policy_server_for_the_adapter(self) -> None:
+        """A LoRA run's own policy server holds its adapter: vLLM, which takes none unless told
+        (its CPU kernels cost every request by the largest rank it takes), takes exactly this one."""
+        lora, adapters = self.learner.lora, self.policy.adapters
+        if lora is None or self.policy.address is not None:
+            return
+        if adapters.held(self.policy.backend) == 0:
+            if adapters.max_adapters == 0:
+                raise ValueError("learner.lora trains an adapter but policy.adapters.max_adapters is 0: the policy"
+                                 " server could not serve it; leave max_adapters unset")
+            adapters.max_adapters = 1
+            if "max_rank" not in adapters.model_fields_set:
+                adapters.max_rank = lora.rank
+        if adapters.max_rank < lora.rank:
+            raise ValueError(f"learner.lora.rank {lora.rank} is above policy.adapters.max_rank {adapters.max_rank};"
+                             " raise max_rank or lower the rank")
 
     @property
     def runs_grpo(self) -> bool:

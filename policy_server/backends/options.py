@@ -25,12 +25,27 @@ class TransformersOptions(BaseModel):
 
 
 class AdapterOptions(BaseModel):
-    """LoRA adapters served beside the base weights (protocol 1.4): the `adapters:` section."""
+    """LoRA adapters served beside the base weights (protocol 1.4): the `adapters:` section.
+
+    The transformers backend holds adapters at no cost to base requests, so it takes 4 unless told
+    otherwise. vLLM must reserve them when its engine starts, and on the CPU its LoRA kernels slow
+    every request by how large `max_rank` is (SmolLM2: base requests at ~0.65x the tokens/s with
+    max_rank 64, ~1.0x with 8; policy_server.backends.vllm_lora), so it takes none unless
+    `max_adapters` is set; `sciproto train` with learner.lora sizes its own server to its adapter."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_adapters: int = Field(4, ge=0, le=64, description="Most adapters held at once (0: take none)")
-    max_rank: int = Field(64, ge=1, le=1024, description="Highest LoRA rank an adapter may have")
+    max_adapters: int | None = Field(
+        None, ge=0, le=64, description="Most adapters held at once (0: take none; unset: 4 on transformers, 0 on vllm)"
+    )
+    max_rank: int = Field(64, ge=1, le=1024, description="Highest LoRA rank an adapter may have (vllm: the smaller "
+                          "the faster every request runs)")
+
+    def held(self, backend: str) -> int:
+        """How many adapters a server of `backend` holds at once."""
+        if self.max_adapters is not None:
+            return self.max_adapters
+        return 0 if backend == "vllm" else 4
 
 
 class VllmSettings(BaseModel):

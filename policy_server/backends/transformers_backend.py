@@ -631,7 +631,7 @@ def build_backend(config: PolicyServerConfig) -> TransformersBackend:
     loaded = load_model(config.model, getattr(torch, config.dtype), config.seed, options.device)
     return TransformersBackend(loaded, batch_window_s=options.batch_window_s, max_batch_rows=options.max_batch_rows,
                                stream_interval=options.stream_interval, collective=config.weights.collective,
-                               max_adapters=config.adapters.max_adapters,
+                               max_adapters=config.adapters.held("transformers"),
                                max_adapter_rank=config.adapters.max_rank)
 
 

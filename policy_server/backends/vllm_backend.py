@@ -30,7 +30,8 @@ Every prompt carries the policy version as its `cache_salt` (and a request with 
 adapter's name and version too), so the prefix cache never serves KV computed by older weights to a
 request of a newer version.
 
-LoRA adapters (protocol 1.4, `AdapterBackend`): with `adapters.max_adapters` > 0 the engine starts
+LoRA adapters (protocol 1.4, `AdapterBackend`): with `adapters.max_adapters` > 0 (unset: none, see
+`policy_server.backends.options.AdapterOptions`) the engine starts
 with vLLM's LoRA support (`enable_lora`; on the CPU its torch kernels, PunicaWrapperCPU) and holds up
 to that many named adapters of rank up to `adapters.max_rank` beside the base weights; base requests
 and requests of several adapters share the engine's batches (on the CPU with one spare adapter slot,
@@ -330,6 +331,8 @@ class VllmBackend:
         """Start the engine on `model` (a Hugging Face model directory) on vLLM's platform, with
         LoRA enabled when `adapters` takes any."""
         platform = Platform.current()
+        if adapters is not None and adapters.max_adapters is None:  # unset: vllm takes none (AdapterOptions)
+            adapters = adapters.model_copy(update={"max_adapters": adapters.held("vllm")})
         arg_utils = import_vllm("vllm.engine.arg_utils")
         async_llm = import_vllm("vllm.v1.engine.async_llm")
         skeleton = _skeleton(model, dtype, options.trust_remote_code)

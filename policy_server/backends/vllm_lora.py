@@ -18,8 +18,10 @@ whatever an adapter's own rank): measured on SmolLM2-135M, float32, 2 cores, 8 s
 tokens, engines with and without LoRA in alternating rounds: the start takes as long either way
 (30-37 s); with `adapters.max_rank` 64 (the default) base requests ran at about 0.65x the tokens/s
 of an engine without LoRA and requests with a rank-8 adapter at about 0.18x; with `max_rank` 8, base
-requests at about 1.0x and adapter requests at about 0.64x. So on the CPU keep `adapters.max_rank`
-at the rank the adapters have, or set `adapters.max_adapters: 0` where none is served.
+requests at about 1.0x and adapter requests at about 0.64x. So a vllm server takes no adapters
+unless `adapters.max_adapters` is set (`AdapterOptions.held`), `sciproto train` with learner.lora
+sizes its own server to its one adapter (max_rank its rank), and a shared server should keep
+`adapters.max_rank` at the rank its adapters have.
 
 Public API: `LoraAdapters`, `AdapterFiles`, `lora_engine_kwargs`, `engine_lora_rank`, `VLLM_LORA_RANKS`.
 """
@@ -69,9 +71,9 @@ def lora_engine_kwargs(adapters: AdapterOptions | None, spare_slot: bool = False
     kernels skip -1). vLLM gives an adapter the first free slot, and at most `max_adapters` are
     active, so the last of `max_adapters + 1` slots is never taken: it holds the zeros vLLM's
     start-up warm-up left there, and a base row gets exactly nothing from it."""
-    if adapters is None or adapters.max_adapters == 0:
+    if adapters is None or adapters.held("vllm") == 0:
         return {}
-    slots = adapters.max_adapters + (1 if spare_slot else 0)
+    slots = adapters.held("vllm") + (1 if spare_slot else 0)
     return {"enable_lora": True, "max_loras": slots, "max_lora_rank": engine_lora_rank(adapters.max_rank),
             "max_cpu_loras": slots}
 

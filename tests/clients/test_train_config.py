@@ -40,3 +40,17 @@ def test_a_shared_policy_server_takes_only_an_adapter_and_never_reaches_the_star
     assert config.policy.address == "127.0.0.1:50052"
     # The `policy:` section a started policy server would read has no such key (it refuses unknown keys).
     assert "address" not in config.model_dump(mode="json")["policy"]
+
+
+def test_a_lora_runs_vllm_server_holds_exactly_its_adapter_and_a_plain_vllm_server_none() -> None:
+    # vLLM's CPU LoRA kernels slow every request by the largest rank the engine takes, so a vllm
+    # server takes adapters only when told, and a LoRA run tells its own server its adapter's size.
+    plain = load_train_config("demo", ["policy.backend=vllm"])
+    assert plain.policy.adapters.held("vllm") == 0
+    assert load_train_config("demo", []).policy.adapters.held("transformers") == 4
+    sized = load_train_config("demo", ["policy.backend=vllm", "learner.lora.rank=16"])
+    assert (sized.policy.adapters.max_adapters, sized.policy.adapters.max_rank) == (1, 16)
+    with pytest.raises(ConfigError, match="policy.adapters.max_adapters is 0"):
+        load_train_config("demo", ["learner.lora.rank=8", "policy.adapters.max_adapters=0"])
+    with pytest.raises(ConfigError, match="learner.lora.rank 32 is above policy.adapters.max_rank 16"):
+        load_train_config("demo", ["learner.lora.rank=32", "policy.adapters.max_rank=16"])
