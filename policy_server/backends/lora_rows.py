@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from policy_server.backends.adapter_limits import check_rank, check_room
 from policy_server.types import AdapterState, TensorSpec
 from sciproto.lora import ADAPTER_PREFIX, LoraSpec, adapter_tensor_specs, linear_layers
 
@@ -78,25 +79,13 @@ class LoraRows:
 
     def manifest(self, spec: LoraSpec) -> list[TensorSpec]:
         """The tensors an update of `spec` carries; ValueError says what this model cannot take."""
-        if spec.rank > self.max_rank:
-            raise ValueError(f"adapter {spec.name!r} has rank {spec.rank}; this server takes ranks up to "
-                             f"{self.max_rank} (adapters.max_rank)")
+        check_rank(spec, self.max_rank)
         return adapter_tensor_specs(self._layers, spec, self._dtype)
 
     def check_room(self, spec: LoraSpec, version: int) -> None:
         """ValueError when an update of `spec` to `version` cannot be taken next to what is held: a
         new adapter past max_adapters, another shape under a held name, or a version not newer."""
-        held = self._held.get(spec.name)
-        if held is None:
-            if len(self._held) >= self.max_adapters:
-                raise ValueError(f"this backend holds {len(self._held)} adapters, its limit (adapters.max_adapters); "
-                                 f"adapter {spec.name!r} would be one more")
-            return
-        if held.spec != spec:
-            raise ValueError(f"adapter {spec.name!r} is held as {held.spec!r}; an update keeps its shape")
-        if version <= held.version:
-            raise ValueError(f"version {version} of adapter {spec.name!r} is not newer than its serving version "
-                             f"{held.version}")
+        check_room(self.states(), spec, version, self.max_adapters)
 
     def prepare(self, spec: LoraSpec, version: int, tensors: Mapping[str, torch.Tensor]) -> LoraWeights:
         """The adapter as served: its tensors (already checked against `manifest(spec)`) copied to

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from policy_server.backends.adapter_limits import check_rank, check_room
 from policy_server.backends.options import AdapterOptions
 from policy_server.types import AdapterState, TensorSpec
 from sciproto.lora import LoraSpec, adapter_tensor_specs
@@ -157,9 +158,7 @@ class LoraAdapters:
 
     def manifest(self, spec: LoraSpec) -> list[TensorSpec]:
         """The tensors an update of `spec` carries; ValueError says what this server cannot take."""
-        if spec.rank > self.max_rank:
-            raise ValueError(f"adapter {spec.name!r} has rank {spec.rank}; this server takes ranks up to "
-                             f"{self.max_rank} (adapters.max_rank)")
+        check_rank(spec, self.max_rank)
         head = self._lm_head.rsplit(".", 1)[-1]
         if head in spec.target_modules:
             raise ValueError(f"adapter {spec.name!r} targets {head!r}, the LM head, to which vLLM applies no LoRA; "
@@ -169,19 +168,7 @@ class LoraAdapters:
     def check_room(self, spec: LoraSpec, version: int) -> None:
         """ValueError when an update of `spec` to `version` cannot be taken next to what is held: a
         new adapter past max_adapters, another shape under a held name, or a version not newer."""
-        held = self._held.get(spec.name)
-        if held is None:
-            if len(self._held) >= self.max_adapters:
-                raise ValueError(f"this backend holds {len(self._held)} adapters, its limit (adapters.max_adapters); "
-                                 f"adapter {spec.name!r} would be one more")
-            if version < 0:
-                raise ValueError(f"adapter version {version} is negative")
-            return
-        if held.spec != spec:
-            raise ValueError(f"adapter {spec.name!r} is held as {held.spec!r}; an update keeps its shape")
-        if version <= held.version:
-            raise ValueError(f"version {version} of adapter {spec.name!r} is not newer than its serving version "
-                             f"{held.version}")
+        check_room(self._held, spec, version, self.max_adapters)
 
     def installed(self, spec: LoraSpec, version: int, lora_id: int, staged: Path) -> None:
         """Record that the engine serves `staged` as adapter `spec.name` under `lora_id`, and move
