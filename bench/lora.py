@@ -16,7 +16,7 @@ Output: {"policy": {backend: {"full_push_s", "lora_push_s", "push_ratio_lora_ove
          "learner": {"full": {...}, "lora": {...}, "step_ratio_lora_over_full", "rss_ratio_lora_over_full"},
          "gain": {...} (with --gain-seconds)}
 Usage: python bench/lora.py [--backends transformers vllm] [--rank 8] [--repeats 3] [--gain-seconds 0]
-       [--output FILE]
+       [--parts policy learner] [--output FILE]
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def learner_child(mode: str, rank: int, steps: int) -> dict[str, Any]:
     from sciproto.models import load_model
 
     loaded = load_model(MODEL, dtype=torch.float32, seed=0)
+    loaded.model.requires_grad_(True)  # load_model hands out an inference-only model, as the learner app knows
     spec = spec_of(rank) if mode == "lora" else None
     trainer = GRPOTrainer(loaded.model, GRPOConfig(lr=1e-5, max_staleness=4), lora=spec, model_name=MODEL)
     batch = synthetic_batch(len(loaded.tokenizer), groups=2, samples=4, prompt=48, completion=32)
@@ -226,6 +227,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="learner optimizer steps per mode (the first is warm-up)")
     parser.add_argument("--gain-seconds", type=float, default=0.0,
                         help="train each mode this long with bench/real_model.py and compare held-out gains (0: skip)")
+    parser.add_argument("--parts", nargs="+", default=["policy", "learner"], choices=["policy", "learner"])
     parser.add_argument("--output", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--learner-child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,8 +236,10 @@ def main() -> None:
         return
     result: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                               "model": MODEL, "rank": args.rank, "target_modules": list(TARGETS)}
-    result["policy"] = bench_policy(args.backends, args.rank, args.repeats)
-    result["learner"] = bench_learner(args.rank, args.steps)
+    if "policy" in args.parts:
+        result["policy"] = bench_policy(args.backends, args.rank, args.repeats)
+    if "learner" in args.parts:
+        result["learner"] = bench_learner(args.rank, args.steps)
     if args.gain_seconds > 0:
         result["gain"] = bench_gain(args.gain_seconds, args.rank, args.output)
     args.output.parent.mkdir(parents=True, exist_ok=True)
