@@ -85,6 +85,9 @@ class Gateway:
         # The LoRA adapter `model_names` route to ("": the base weights); any other adapter the policy
         # servers hold answers to its own name (Describe's adapters, asked when a call names one).
         self.adapter = adapter
+        # Adapters a Describe has shown held: a policy server never unloads one (protocol 1.4 has no
+        # removal), so a call naming one routes without asking again; an unknown name asks.
+        self._known_adapters: set[str] = set()
         self.max_context_tokens = max_context_tokens
         self.store = store
         self.authenticator = authenticator
@@ -194,12 +197,16 @@ class Gateway:
         """The LoRA adapters the policy servers hold now, by name (those of the first server, as
         every server of a gateway gets the same pushes)."""
         described = await self.policies[0].describe(timeout_s=10.0)
-        return [serving.adapter.name for serving in described.adapters]
+        names = [serving.adapter.name for serving in described.adapters]
+        self._known_adapters.update(names)
+        return names
 
     async def _route(self, model: str) -> str:
         """The adapter a call's `model` samples with, or a 404 listing the names served."""
         if model in self.model_names:
             return self.adapter
+        if model in self._known_adapters:
+            return model
         adapters = await self._adapter_names()
         if model in adapters:
             return model
