@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 # "MAJOR.MINOR" of the wire contract in proto/sciproto/v1. MINOR grows with
 # backward-compatible additions (docs/changelog.md and proto/README.md say what each
 # added); a client refuses a server of another MAJOR (sciproto.client.protocol).
-PROTOCOL_VERSION = "1.4"
+PROTOCOL_VERSION = "1.5"
 
 
 def protocol_compatible(server_protocol: str) -> bool:

@@ -135,6 +135,30 @@ gloo travels this way too; kept for a release.
 """
 Global___WeightTransport: _TypeAlias = WeightTransport  # noqa: Y015
 
+class _HoldState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HoldStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HoldState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HOLD_STATE_UNSPECIFIED: _HoldState.ValueType  # 0
+    """Default, never sent."""
+    HOLD_STATE_HELD: _HoldState.ValueType  # 1
+    """The engine is idle and stays so until the hold ends."""
+    HOLD_STATE_RELEASED: _HoldState.ValueType  # 2
+    """The hold has ended; generation runs again (unless another hold is open)."""
+
+class HoldState(_HoldState, metaclass=_HoldStateEnumTypeWrapper):
+    """What became of a hold."""
+
+HOLD_STATE_UNSPECIFIED: HoldState.ValueType  # 0
+"""Default, never sent."""
+HOLD_STATE_HELD: HoldState.ValueType  # 1
+"""The engine is idle and stays so until the hold ends."""
+HOLD_STATE_RELEASED: HoldState.ValueType  # 2
+"""The hold has ended; generation runs again (unless another hold is open)."""
+Global___HoldState: _TypeAlias = HoldState  # noqa: Y015
+
 @_typing.final
 class PolicyServiceDescribeRequest(_message.Message):
     """Asks what the server serves."""
@@ -939,3 +963,73 @@ class UpdateWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
+
+@_typing.final
+class HoldRequest(_message.Message):
+    """Opens a hold (first message only; the caller's half-close releases it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    max_seconds: _builtins.float
+    """Longest the hold may last; the server releases it then (0: the server's
+    own limit, `max_hold_s`). Values above that limit are cut to it.
+    """
+    reason: _builtins.str
+    """Why, for the server's log (e.g. "learner step 12")."""
+    def __init__(
+        self,
+        *,
+        max_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_seconds", b"max_seconds", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+
+@_typing.final
+class HoldResponse(_message.Message):
+    """Sent when the hold takes effect, and when it ends."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    HELD_AT_UNIX_S_FIELD_NUMBER: _builtins.int
+    RELEASED_AT_UNIX_S_FIELD_NUMBER: _builtins.int
+    RELEASE_REASON_FIELD_NUMBER: _builtins.int
+    REQUESTS_HELD_FIELD_NUMBER: _builtins.int
+    state: Global___HoldState.ValueType
+    """HELD first, then RELEASED."""
+    held_at_unix_s: _builtins.float
+    """Server wall clock, seconds since the epoch: when the engine's last
+    forward pass before the hold ended (or when the hold began, if it was idle).
+    """
+    released_at_unix_s: _builtins.float
+    """Server wall clock when generation was allowed again (RELEASED only)."""
+    release_reason: _builtins.str
+    """Why it ended (RELEASED only): "released" (the caller half-closed) or
+    "max_seconds".
+    """
+    requests_held: _builtins.int
+    """Generate requests frozen by the hold when it took effect."""
+    def __init__(
+        self,
+        *,
+        state: Global___HoldState.ValueType = ...,
+        held_at_unix_s: _builtins.float = ...,
+        released_at_unix_s: _builtins.float = ...,
+        release_reason: _builtins.str = ...,
+        requests_held: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_at_unix_s", b"held_at_unix_s", "release_reason", b"release_reason", "released_at_unix_s", b"released_at_unix_s", "requests_held", b"requests_held", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015

@@ -50,6 +50,11 @@ class PolicyServiceStub:
                 request_serializer=sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.stream_stream(
+                '/sciproto.v1.PolicyService/Hold',
+                request_serializer=sciproto_dot_v1_dot_policy__service__pb2.HoldRequest.SerializeToString,
+                response_deserializer=sciproto_dot_v1_dot_policy__service__pb2.HoldResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -78,6 +83,18 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request_iterator, context):
+        """Holds generation while the call is open, so that another process on the
+        same machine (a learner's step) has every core (protocol 1.5). Running
+        samples freeze between two decode steps and new ones wait; nothing is
+        lost, and UpdateWeights still applies. The first response comes once the
+        engine is idle; the hold ends when the caller half-closes (answered with a
+        last response), cancels, or after max_seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +112,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Hold': grpc.stream_stream_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=sciproto_dot_v1_dot_policy__service__pb2.HoldRequest.FromString,
+                    response_serializer=sciproto_dot_v1_dot_policy__service__pb2.HoldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +201,33 @@ class PolicyService:
             '/sciproto.v1.PolicyService/UpdateWeights',
             sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsRequest.SerializeToString,
             sciproto_dot_v1_dot_policy__service__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sciproto.v1.PolicyService/Hold',
+            sciproto_dot_v1_dot_policy__service__pb2.HoldRequest.SerializeToString,
+            sciproto_dot_v1_dot_policy__service__pb2.HoldResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,14 @@ class PolicyServiceStub:
     """Replaces the model's weights in place: a header, then raw byte chunks.
     Applied atomically: a refused or broken update leaves the old weights serving.
     """
+    Hold: _grpc.StreamStreamMultiCallable[_policy_service_pb2.HoldRequest, _policy_service_pb2.HoldResponse]
+    """Holds generation while the call is open, so that another process on the
+    same machine (a learner's step) has every core (protocol 1.5). Running
+    samples freeze between two decode steps and new ones wait; nothing is
+    lost, and UpdateWeights still applies. The first response comes once the
+    engine is idle; the hold ends when the caller half-closes (answered with a
+    last response), cancels, or after max_seconds.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -57,6 +65,14 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     UpdateWeights: _aio.StreamUnaryMultiCallable[_policy_service_pb2.UpdateWeightsRequest, _policy_service_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
     """Replaces the model's weights in place: a header, then raw byte chunks.
     Applied atomically: a refused or broken update leaves the old weights serving.
+    """
+    Hold: _aio.StreamStreamMultiCallable[_policy_service_pb2.HoldRequest, _policy_service_pb2.HoldResponse]  # type: ignore[assignment]
+    """Holds generation while the call is open, so that another process on the
+    same machine (a learner's step) has every core (protocol 1.5). Running
+    samples freeze between two decode steps and new ones wait; nothing is
+    lost, and UpdateWeights still applies. The first response comes once the
+    engine is idle; the hold ends when the caller half-closes (answered with a
+    last response), cancels, or after max_seconds.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -86,6 +102,20 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_policy_service_pb2.UpdateWeightsResponse, _abc.Awaitable[_policy_service_pb2.UpdateWeightsResponse]]:
         """Replaces the model's weights in place: a header, then raw byte chunks.
         Applied atomically: a refused or broken update leaves the old weights serving.
+        """
+
+    @_abc_1.abstractmethod
+    def Hold(
+        self,
+        request_iterator: _MaybeAsyncIterator[_policy_service_pb2.HoldRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_service_pb2.HoldResponse], _abc.AsyncIterator[_policy_service_pb2.HoldResponse]]:
+        """Holds generation while the call is open, so that another process on the
+        same machine (a learner's step) has every core (protocol 1.5). Running
+        samples freeze between two decode steps and new ones wait; nothing is
+        lost, and UpdateWeights still applies. The first response comes once the
+        engine is idle; the hold ends when the caller half-closes (answered with a
+        last response), cancels, or after max_seconds.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
