@@ -47,6 +47,8 @@ class PolicyServerConfig(BaseModel):
     transformers: TransformersOptions = Field(default_factory=TransformersOptions)
     weights: WeightUpdateOptions = Field(default_factory=WeightUpdateOptions)
     adapters: AdapterOptions = Field(default_factory=AdapterOptions, description="LoRA adapters beside the base weights")
+    max_hold_s: float = Field(
+        300.0, gt=0, description="Longest a Hold may freeze generation before the server releases it")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="Settings of the vllm backend")
     openai: OpenAIOptions | None = Field(
         None, description="Settings of the openai backend: the endpoint it serves from (needed with backend openai)")

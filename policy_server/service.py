@@ -26,6 +26,13 @@ that adapter's tensors (gRPC chunks only), checked against the adapter's manifes
 any update, and versioned per adapter; a Generate names its adapter, and its prompt event and version
 spans carry that adapter's versions. Describe lists the adapters.
 
+Hold (protocol 1.5): a backend that implements `HoldBackend` (both local engines) freezes
+generation while a Hold call is open, so that a learner on the same machine has every core for its
+step (colocated placement). The call's first message opens the hold (at most `max_hold_s`); the
+first answer (HELD) comes once the engine is idle; the caller's half-close releases it and gets a
+RELEASED answer; a cancelled call, a caller gone, or `max_seconds` passing releases it too. Holds
+from several callers nest. Weight updates still apply while held.
+
 Unavailable weights: when an update fails after the backend began changing the weights (vLLM
 loads layer by layer), the backend says so in `info().unavailable`; the server then reports
 NOT_SERVING on its health service and refuses Generate with UNAVAILABLE (reason
@@ -36,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -44,7 +53,7 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.trace import Span
 
 from policy_server import convert
-from policy_server.backends.base import AdapterBackend, PolicyBackend
+from policy_server.backends.base import AdapterBackend, HoldBackend, PolicyBackend
 from policy_server.backends.registry import Capability
 from policy_server.config import PolicyServerConfig
 from policy_server.tokenizing import PromptTooLong, Tokenizing
@@ -77,10 +86,13 @@ from sciproto.weights.wire import (
 # Turns a chat or token request into the exact prompt ids the model will see.
 PromptTokenizer = Callable[[GenerationRequest], list[int]]
 
+log = logging.getLogger(__name__)
+
 WEIGHTS_BYTES = "sciproto.weights.bytes"  # span attribute: bytes of tensor data an update received
 
 CAPABILITIES = ["generate.chat", "generate.tokens", "generate.multi_turn_token_ids", "generate.n_samples"]
 WEIGHTS_CAPABILITY = "weights.grpc_chunks"
+HOLD_CAPABILITY = "hold"  # takes Hold (protocol 1.5)
 COLLECTIVE_CAPABILITY = "weight_updates_collective"  # a backend capability: takes collective-transport headers
 NCCL_CAPABILITY = "weight_updates_nccl"  # its name before protocol 1.3 (deprecated), reported beside it for a release
 
@@ -109,7 +121,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
     async def Describe(self, request: policy_pb2.PolicyServiceDescribeRequest,
                        context: grpc.aio.ServicerContext) -> policy_pb2.PolicyServiceDescribeResponse:
         info = self._backend.info()
-        capabilities = CAPABILITIES + ([WEIGHTS_CAPABILITY] if info.supports_weight_updates else [])
+        capabilities = CAPABILITIES + ([WEIGHTS_CAPABILITY] if info.supports_weight_updates else []) \
+            + ([HOLD_CAPABILITY] if isinstance(self._backend, HoldBackend) else [])
         server = server_info(self._config.server, "sciproto-policy",
                              capabilities + [f"backend.{name}" for name in info.capabilities],
                              service=POLICY_SERVICE, auth=self._config.auth)
@@ -387,6 +400,51 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         for name in ("", POLICY_SERVICE):
             await self.health.set(name, status)  # type: ignore[attr-defined]
 
+    # -- Hold ------------------------------------------------------------------------------------
+
+    async def Hold(self, request_iterator: AsyncIterator[policy_pb2.HoldRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[policy_pb2.HoldResponse]:
+        backend = self._backend
+        if not isinstance(backend, HoldBackend):
+            raise Unimplemented(f"the {backend.info().backend} backend cannot hold generation", Reason.UNSUPPORTED)
+        limit = self._config.max_hold_s
+        try:
+            first = await asyncio.wait_for(anext(request_iterator, None), self._config.weights.chunk_timeout_s)
+        except TimeoutError as error:
+            raise InvalidArgument(f"no HoldRequest arrived within {self._config.weights.chunk_timeout_s:.0f} s;"
+                                  " send one to open the hold", Reason.INVALID_REQUEST) from error
+        if first is None:
+            return  # closed before asking: nothing held
+        if not math.isfinite(first.max_seconds) or first.max_seconds < 0:
+            raise InvalidArgument(f"max_seconds must be 0 (the server's {limit:g} s) or a positive number of "
+                                  f"seconds, not {first.max_seconds}", Reason.INVALID_REQUEST)
+        seconds = min(first.max_seconds or limit, limit)
+        # Opened and released as tasks of their own: a caller that leaves while the engine takes the
+        # hold still has it released, and a release is never cut short.
+        opening = asyncio.ensure_future(backend.hold())
+        try:
+            held_at, frozen = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(lambda task: task.exception() is None and asyncio.ensure_future(backend.release()))
+            raise
+        if first.reason:
+            log.info("generation held (%s; at most %.0f s, %d requests frozen)", first.reason, seconds, frozen)
+        reason = "max_seconds"
+        try:
+            yield policy_pb2.HoldResponse(state=policy_pb2.HOLD_STATE_HELD, held_at_unix_s=held_at,
+                                          requests_held=frozen)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    async for _ in request_iterator:
+                        pass  # only the first message means anything; the half-close releases
+                    reason = "released"
+        finally:
+            releasing = asyncio.ensure_future(backend.release())
+            with contextlib.suppress(asyncio.CancelledError):
+                released_at = await asyncio.shield(releasing)
+        yield policy_pb2.HoldResponse(state=policy_pb2.HOLD_STATE_RELEASED, held_at_unix_s=held_at,
+                                      released_at_unix_s=released_at, release_reason=reason, requests_held=frozen)
+
     async def _next_message(self, requests: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]
                             ) -> policy_pb2.UpdateWeightsRequest | memoryview | None:
         timeout = self._config.weights.chunk_timeout_s
@@ -440,6 +498,8 @@ def register(servicer: PolicyServicer, server: grpc.aio.Server) -> None:
                             policy_pb2.GenerateRequest.FromString, policy_pb2.GenerateResponse),
         "UpdateWeights": handler(grpc.stream_unary_rpc_method_handler, servicer.UpdateWeights,
                                  parse_request, policy_pb2.UpdateWeightsResponse),
+        "Hold": handler(grpc.stream_stream_rpc_method_handler, servicer.Hold,
+                        policy_pb2.HoldRequest.FromString, policy_pb2.HoldResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(POLICY_SERVICE, handlers),))
     server.add_registered_method_handlers(POLICY_SERVICE, handlers)

@@ -95,6 +95,7 @@ METHOD_ROLES: dict[str, AuthRole] = {
         "Describe": AuthRole.OBSERVER,
         "Generate": AuthRole.AGENT,
         "UpdateWeights": AuthRole.TRAINER,
+        "Hold": AuthRole.TRAINER,  # it stops everyone's generation
     }),
     **_service_methods(pb.LEARNER_SERVICE, {
         "Describe": AuthRole.OBSERVER,

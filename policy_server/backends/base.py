@@ -63,6 +63,24 @@ class PolicyBackend(Protocol):
 
 
 @runtime_checkable
+class HoldBackend(Protocol):
+    """A backend whose generation can be held (protocol 1.5, `PolicyService.Hold`): while a hold is
+    open no forward pass runs; running samples freeze between two decode steps and new requests
+    wait; weight and adapter updates still apply. Holds nest: generation runs again when the last
+    one is released."""
+
+    async def hold(self) -> tuple[float, int]:
+        """Open a hold; returns once the engine is idle, with the wall-clock time (time.time())
+        from which no forward pass runs and the number of Generate requests it froze."""
+        ...
+
+    async def release(self) -> float:
+        """Close one hold; returns the wall-clock time from which generation may run again
+        (when no other hold is open)."""
+        ...
+
+
+@runtime_checkable
 class AdapterBackend(Protocol):
     """A backend that serves LoRA adapters beside its base weights (protocol 1.4). `generate`
     samples a request whose `adapter` names one with it, and stamps its version spans with that

@@ -117,6 +117,14 @@ class _AdapterUpdate:
     done: Future
 
 
+@dataclass
+class _Hold:
+    """Open (`opens`) or close a hold; the engine answers with the time it took effect."""
+
+    opens: bool
+    done: Future
+
+
 _CLOSE = object()
 
 # An idle engine waits for a burst of calls to end, but not longer than this many batch windows.
@@ -177,6 +185,7 @@ class TransformersBackend:
         self._batch: DecodeBatch | None = None
         self._next_tokens: torch.Tensor | None = None
         self._engine_lock = threading.Lock()  # held while the model runs or weights change
+        self._holds = 0  # open holds (HoldBackend): no forward pass runs while any is open
         self._thread: threading.Thread | None = None
         self._closed = False
         # the learner's gloo weight-transfer group, when this server takes collective-transport headers
@@ -318,6 +327,26 @@ class TransformersBackend:
         await self.update_weights(version, tensors)
         return bool(digests)
 
+    # -- HoldBackend ------------------------------------------------------------------------------
+
+    async def hold(self) -> tuple[float, int]:
+        """Open a hold between two decode steps: (its wall-clock start, requests frozen)."""
+        return await self._submit_hold(True)
+
+    async def release(self) -> float:
+        """Close a hold; the decode loop goes on once none is open."""
+        at, _ = await self._submit_hold(False)
+        return at
+
+    async def _submit_hold(self, opens: bool) -> tuple[float, int]:
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        command = _Hold(opens, Future())
+        self._start_engine()
+        self._inbox.put(command)
+        # The engine takes commands between decode steps: at most one step's wait.
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(command.done)), self._stall_timeout_s)
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -345,11 +374,15 @@ class TransformersBackend:
                     self._apply_weight_update(command)
                 elif isinstance(command, _AdapterUpdate):
                     self._apply_adapter_update(command)
+                elif isinstance(command, _Hold):
+                    self._apply_hold(command)
                 elif command is not _CLOSE:
                     self._waiting.append(command)
             if _CLOSE in commands:
                 self._abort_everything()
                 return
+            if self._holds:
+                continue  # held: no forward pass until the last hold is released
             try:
                 self._step()
             except Exception as error:  # noqa: BLE001 -- a failed forward fails its callers, not the engine
@@ -360,7 +393,7 @@ class TransformersBackend:
         backend is noticed), then keep collecting until the inbox stays empty for a batch window
         or BATCH_WINDOW_LIMIT windows have passed."""
         commands = []
-        if not self._rows and not self._waiting:
+        if self._holds or (not self._rows and not self._waiting):
             while not commands:
                 try:
                     commands.append(self._inbox.get(timeout=1.0))
@@ -413,6 +446,14 @@ class TransformersBackend:
             update.done.set_exception(error)
         else:
             update.done.set_result(None)
+
+    def _apply_hold(self, command: _Hold) -> None:
+        """Between two decode steps (so no forward pass is running): count the hold in or out."""
+        if not command.done.set_running_or_notify_cancel():
+            return
+        self._holds = max(0, self._holds + (1 if command.opens else -1))
+        frozen = len({id(row.job) for row in self._rows} | {id(job) for job in self._waiting})
+        command.done.set_result((time.time(), frozen))
 
     def _decode_routing(self) -> Routing | None:
         """The adapter routing of the running rows, rebuilt only when the rows or the adapters

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -317,6 +318,7 @@ class VllmBackend:
         self._nccl_joined = False
         self._running: dict[str, list[_Sample]] = {}
         self._paused = False
+        self._holds = 0  # open holds (HoldBackend): the engine stays paused while any is open
         self._unavailable = ""
         self._closed = False
         self._types = types or VllmTypes.load()
@@ -651,8 +653,34 @@ class VllmBackend:
             await asyncio.wait_for(self._engine.remove_lora(lora_id), timeout)
 
     async def _resume(self, timeout: float) -> None:
+        if self._holds:
+            return  # an open hold keeps generation paused; its release resumes
         await asyncio.wait_for(self._engine.resume_generation(), timeout)
         self._paused = False
+
+    # -- HoldBackend ------------------------------------------------------------------------------
+
+    async def hold(self) -> tuple[float, int]:
+        """Pause generation in "keep" mode (running requests freeze in place, new ones wait), as an
+        update does, and keep it paused until the last hold is released; updates still apply."""
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        async with self._update_lock:
+            if not self._paused:
+                await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False),
+                                       self._options.stall_timeout_s)
+                self._paused = True
+            self._holds += 1
+            return time.time(), len(self._running)
+
+    async def release(self) -> float:
+        async with self._update_lock:
+            self._holds = max(0, self._holds - 1)
+            at = time.time()
+            # an engine left paused by a failed update stays so (`_unavailable`) until an update completes
+            if not self._holds and self._paused and not self._unavailable and not self._closed:
+                await self._resume(self._options.stall_timeout_s)
+            return at
 
 
 async def _read_outputs(outputs: AsyncIterator[Any], samples: list[_Sample], prompt: list[int],

@@ -1,8 +1,10 @@
-"""Async client of PolicyService: Describe, streaming Generate, and pushing weights.
+"""Async client of PolicyService: Describe, streaming Generate, pushing weights, and holding
+generation.
 
     async with PolicyClient("127.0.0.1:50052") as policy:
         group = await policy.generate_group(generate_request(prompt_token_ids=[1, 2, 3], n=4))
-        await policy.push_weights(model.state_dict(), version=1)
+        async with policy.hold(reason="learner step") as window:  # no forward pass runs in here
+            await policy.push_weights(model.state_dict(), version=1)
 
 Failures surface as `sciproto.errors.SciprotoError` subclasses carrying the server's reason.
 Requests carry the current span in their trace_context. Only pushing weights needs torch, which
@@ -12,6 +14,7 @@ is imported then: a rollout client that only samples never loads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
@@ -88,6 +91,17 @@ class GenerationGroup:
     sampling: Distribution = UNTRANSFORMED
 
 
+@dataclass
+class HoldWindow:
+    """One hold, in the server's wall clock: from `held_at` (the engine idle) to `released_at`
+    (generation allowed again; 0 until the hold has ended), and why it ended."""
+
+    held_at: float
+    requests_held: int
+    released_at: float = 0.0
+    release_reason: str = ""
+
+
 class PolicyClient:
     """A client of one policy server. Built from a channel it does not own, or from a
     ChannelConfig / "HOST:PORT" whose channel it opens and closes."""
@@ -154,6 +168,34 @@ class PolicyClient:
         samples.sort(key=lambda sample: sample.sample_index)
         return GenerationGroup(list(prompt.token_ids), prompt.policy_version, samples,
                                distribution_from_pb(request.sampling))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, max_seconds: float = 0.0, reason: str = "",
+                   timeout_s: float = 120.0) -> AsyncIterator[HoldWindow]:
+        """Hold the server's generation for the block (PolicyService.Hold, protocol 1.5): entered
+        once the engine is idle, released on leaving (the window's `released_at` is set then), at
+        the latest after `max_seconds` (0: the server's limit). `timeout_s` bounds each wait for the
+        server's answer; a block left by an error or a cancel releases the hold by cancelling it."""
+        call = self._stub.Hold()
+        released = False
+        try:
+            await asyncio.wait_for(call.write(policy_pb2.HoldRequest(max_seconds=max_seconds, reason=reason)),
+                                   timeout_s)
+            first = await asyncio.wait_for(call.read(), timeout_s)
+            if first is grpc.aio.EOF or first.state != policy_pb2.HOLD_STATE_HELD:
+                raise RuntimeError(f"the Hold call of {self.target} answered without holding ({first!r})")
+            window = HoldWindow(first.held_at_unix_s, first.requests_held)
+            yield window
+            await asyncio.wait_for(call.done_writing(), timeout_s)
+            last = await asyncio.wait_for(call.read(), timeout_s)
+            if last is not grpc.aio.EOF:
+                window.released_at, window.release_reason = last.released_at_unix_s, last.release_reason
+            released = True
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        finally:
+            if not released:
+                call.cancel()  # the server releases a cancelled hold
 
     async def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                            chunk_bytes: int = 4 * MiB, timeout_s: float | None = None,

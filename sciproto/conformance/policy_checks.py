@@ -2,12 +2,14 @@
 
 The Generate stream's shape (prompt first, deltas, one sample per n with matching token ids,
 log-probabilities and version spans), seeded repeatability, stop strings (left out of the text),
-multi-turn prompts extending `previous_token_ids`, the documented refusals, deadlines, and that a refused weight update leaves
-the serving version alone. Prompts are short and completions a few tokens, so any model will do.
+multi-turn prompts extending `previous_token_ids`, the documented refusals, deadlines, that a refused weight update leaves
+the serving version alone, and (servers listing the `hold` capability, protocol 1.5) that a Generate
+waits while a Hold is open and finishes once it is released. Prompts are short and completions a few tokens, so any model will do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import grpc
@@ -31,6 +33,7 @@ from sciproto.pb import POLICY_SERVICE, common_pb2, policy_grpc, policy_pb2
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 MAX_TOKENS = 6
+HOLD_WAIT_S = 1.0  # how long a Generate must keep waiting while a hold is open
 
 
 def new_id() -> str:
@@ -240,6 +243,34 @@ class PolicyChecks:
         await self.generate(chat_request([user("Hi.")], max_tokens=2))
         return "data first: INVALID_REQUEST; an empty manifest: INVALID_WEIGHTS; version unchanged"
 
+    async def hold(self) -> str:
+        described = await self.describe_now()
+        if "hold" not in described.server.capabilities:
+            raise Skipped("the server does not list the hold capability (protocol 1.5)")
+        call = self.stub.Hold(timeout=self.timeout_s)
+        try:
+            await call.write(policy_pb2.HoldRequest(reason="conformance"))
+            held = await call.read()
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise Skipped("the token lacks the trainer role Hold needs") from None
+            raise
+        check(held is not grpc.aio.EOF and held.state == policy_pb2.HOLD_STATE_HELD,
+              f"the first Hold answer is not HOLD_STATE_HELD: {held!r}")
+        waiting = asyncio.ensure_future(self.generate(chat_request([user("Hi.")], max_tokens=2)))
+        await asyncio.sleep(HOLD_WAIT_S)
+        check(not waiting.done(), f"a Generate finished while the hold was open ({HOLD_WAIT_S:g} s)")
+        await call.done_writing()
+        released = await call.read()
+        check(released is not grpc.aio.EOF and released.state == policy_pb2.HOLD_STATE_RELEASED
+              and released.release_reason == "released",
+              f"the half-close was not answered HOLD_STATE_RELEASED / released: {released!r}")
+        check(released.released_at_unix_s >= released.held_at_unix_s == held.held_at_unix_s,
+              "released_at_unix_s is before held_at_unix_s, or held_at changed")
+        await asyncio.wait_for(waiting, self.timeout_s)
+        return (f"a Generate waited {HOLD_WAIT_S:g} s while held and finished after the release"
+                f" (held {released.released_at_unix_s - released.held_at_unix_s:.2f} s)")
+
     def checks(self) -> list[tuple[str, Check]]:
         return [
             ("describe", self.describe),
@@ -252,6 +283,7 @@ class PolicyChecks:
             ("refusals", self.refusals),
             ("deadline", self.deadline),
             ("refused_update_keeps_weights", self.refused_update_keeps_weights),
+            ("hold", self.hold),
         ]
 
 

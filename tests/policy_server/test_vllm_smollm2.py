@@ -80,3 +80,49 @@ async def test_tool_calls_the_model_writes_come_back_parsed(smollm2):
     (result,) = await _samples(smollm2, request)
     assert [(call.name, call.arguments) for call in result.tool_calls] == [("calculator", '{"expr": "14+7"}')], result.text
     assert not result.malformed
+
+
+def _cpu_seconds_of_children() -> float:
+    """CPU seconds used so far by this process's children (vLLM's engine core runs in one)."""
+    import psutil
+
+    return sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children(recursive=True))
+
+
+async def test_a_hold_freezes_the_engine_until_released_and_loses_no_token(smollm2):
+    import asyncio
+
+    from policy_server.types import TokenDelta
+
+    request = GenerationRequest(messages=[ChatMessage("user", "Count from 1 to 100, one number per line.")],
+                                sampling=SamplingParams(n=1, max_tokens=160, temperature=0, seed=0))
+    seen: list[int] = []
+    results: list[SampleResult] = []
+
+    async def read() -> None:
+        async for event in smollm2.generate(request):
+            if isinstance(event, TokenDelta):
+                seen.extend(event.token_ids)
+            else:
+                results.append(event)
+
+    reader = asyncio.create_task(read())
+    for _ in range(600):
+        if len(seen) >= 8:
+            break
+        await asyncio.sleep(0.01)
+    held_at, frozen = await smollm2.hold()
+    assert frozen == 1
+    await asyncio.sleep(0.3)  # outputs sampled before the pause drain
+    tokens, cpu = len(seen), _cpu_seconds_of_children()
+    await asyncio.sleep(2.0)
+    assert len(seen) == tokens, "vLLM sampled while held"
+    idle_cpu = _cpu_seconds_of_children() - cpu
+    released_at = await smollm2.release()
+    assert held_at <= released_at
+    await asyncio.wait_for(reader, 120)
+    assert sum(len(r.completion_token_ids) for r in results) == len(seen)
+    assert all(r.finish_reason.value in ("stop", "length") for r in results)
+    print(f"vLLM engine CPU while held: {idle_cpu:.2f} s in 2 s")
+    # A held engine leaves the cores to the learner: no busy loop in its processes.
+    assert idle_cpu < 1.0, f"the held vLLM engine used {idle_cpu:.2f} CPU seconds in 2 s"
