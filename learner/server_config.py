@@ -121,6 +121,14 @@ class LearnerServerConfig(BaseModel):
         description="HOST:PORT of every policy server that receives new weights",
     )
     push_every: int = Field(1, ge=1, description="Push weights every this many optimizer steps")
+    hold_policy: bool = Field(
+        False,
+        description=(
+            "Hold the policy servers' generation (PolicyService.Hold) from the start of each optimizer step until "
+            "its push has ended, so the step has every core: colocated placement, where policy and learner share "
+            "one machine (learner.policy_hold)"
+        ),
+    )
     push_timeout_s: float = Field(
         300.0, gt=0, description="Longest a weight push to one server may take"
     )

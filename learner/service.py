@@ -53,6 +53,7 @@ group exactly once through one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -70,6 +71,7 @@ from learner.learner_state import (
     write_learner_state,
 )
 from learner.metrics import MetricsLogger
+from learner.policy_hold import HeldStep, policy_hold
 from learner.policy_sync import PolicySync
 from learner.ranks import Ranks, RanksFailed
 from learner.server_config import LearnerServerConfig
@@ -134,6 +136,9 @@ class LearnerServicer:
         self._step_lock = asyncio.Lock()  # one of: a train step + push, or a checkpoint save
         # The push and reconcile of the policy servers' weights (none without a pusher)
         self.sync = None if pusher is None else PolicySync(config, trainer, self.ranks, pusher, self._step_lock)
+        # Colocated placement: generation held on the policy servers while a step and its push run
+        self.hold = policy_hold(config.policy_targets, config.policy_access, config.push_timeout_s,
+                                0.0, config.hold_policy)  # 0: each server's max_hold_s
         self._closing = False  # set by aclose: the optimizer loop takes no further batch
         self._step_running = False
         self._progress = asyncio.Condition()  # notified after every step and stream change
@@ -237,6 +242,8 @@ class LearnerServicer:
             self.metrics.close()
             if self.pusher is not None:
                 await self.pusher.aclose()
+            if self.hold is not None:
+                await self.hold.aclose()
             await asyncio.to_thread(self.ranks.close)  # the other ranks stop after the final checkpoint
 
     # ------------------------------------------------------------------ optimizer loop
@@ -283,6 +290,15 @@ class LearnerServicer:
                     self._progress.notify_all()
         log.info("reached max_steps %d: no further optimizer steps", config.max_steps)
 
+    @contextlib.asynccontextmanager
+    async def _holding_policy(self, step: int) -> AsyncIterator[HeldStep]:
+        """With `hold_policy`, every policy server's generation is held for the block."""
+        if self.hold is None:
+            yield HeldStep()
+        else:
+            async with self.hold.step(step) as held:
+                yield held
+
     async def _step(self, groups: list[RolloutGroup], wait_s: float) -> None:
         config = self.config
         counters = self.buffer.counters
@@ -300,37 +316,38 @@ class LearnerServicer:
             log.warning("slowing step %d: %.0f s before each micro-batch (learner.faults."
                         "micro_batch_delay_s)", self.trainer.step + 1, slow)
         self.trainer.micro_batch_delay_s = slow
-        train_started = time.monotonic()
-        metrics: StepMetrics = await self.ranks.run("train_step", groups)
-        train_s = time.monotonic() - train_started
-        await self._fault_hold("after_train")
-        consumed = [g.group_id for g in groups]
-        dropped = self.buffer.drain_dropped()
-        self._step_settled = True
-        self.trained_group_ids.update(consumed)
-        for group_id in consumed:
-            self._fate[group_id] = "consumed"
-            self._failed_attempts.pop(group_id, None)
-        for group_id in dropped:
-            self._fate[group_id] = "stale"
-        self.dropped_stale_group_ids.update(dropped)
-        pushed, sync_s = False, 0.0
-        if (
-            metrics.trained
-            and self.sync is not None
-            and self.trainer.step % config.push_every == 0
-        ):
-            try:
-                sync_s = await self.sync.push_step()
-                pushed = True
-            except SciprotoError as error:
-                log.warning(
-                    "weight push of version %d failed (retried within %.0f s): %s",
-                    self.trainer.policy_version,
-                    config.reconcile_interval_s,
-                    error,
-                )
-                self._broadcast(learner_pb2.TrainStepResponse(error=to_status(error)))
+        async with self._holding_policy(self.trainer.step + 1) as held:
+            train_started = time.monotonic()
+            metrics: StepMetrics = await self.ranks.run("train_step", groups)
+            train_s = time.monotonic() - train_started
+            await self._fault_hold("after_train")
+            consumed = [g.group_id for g in groups]
+            dropped = self.buffer.drain_dropped()
+            self._step_settled = True
+            self.trained_group_ids.update(consumed)
+            for group_id in consumed:
+                self._fate[group_id] = "consumed"
+                self._failed_attempts.pop(group_id, None)
+            for group_id in dropped:
+                self._fate[group_id] = "stale"
+            self.dropped_stale_group_ids.update(dropped)
+            pushed, sync_s = False, 0.0
+            if (
+                metrics.trained
+                and self.sync is not None
+                and self.trainer.step % config.push_every == 0
+            ):
+                try:
+                    sync_s = await self.sync.push_step()
+                    pushed = True
+                except SciprotoError as error:
+                    log.warning(
+                        "weight push of version %d failed (retried within %.0f s): %s",
+                        self.trainer.policy_version,
+                        config.reconcile_interval_s,
+                        error,
+                    )
+                    self._broadcast(learner_pb2.TrainStepResponse(error=to_status(error)))
         now = time.monotonic()
         interval = max(now - self._last_step_end, 1e-9)
         record: dict[str, Any] = {
@@ -351,6 +368,7 @@ class LearnerServicer:
             "train_s": train_s,
             "weight_sync_s": sync_s,
             "time_s": now - self._started,
+            **(held.record() if self.hold is not None else {}),
         }
         self._last_step_end, self._tokens_since_step = now, 0
         self._since_step = dict.fromkeys(self._since_step, 0)
