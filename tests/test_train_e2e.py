@@ -1,4 +1,6 @@
-"""`sciproto train --config demo` as a real process: the tiny model must learn the toy task."""
+"""`sciproto train --config demo` as a real process: the tiny model must learn the toy task, with the
+policy server and the learner taking turns on the cores (placement colocated): no step overlaps
+generation, by the policy server's own clock."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
         "progress=false",
         "--set",
         "budget.max_seconds=480",
+        "--set",
+        "placement=colocated",
     ]
     process = subprocess.Popen(
         command,
@@ -64,6 +68,20 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
     assert first < 0.2, f"a random model should start low, got {first:.3f}"
     assert last > 0.8, f"reward rose only from {first:.3f} to {last:.3f}"
     assert all(s["policy_lag_max"] <= 1 for s in steps), "max_staleness 1 bounds the lag"
+
+    # Colocated: each step and its push ran inside a hold of the policy server's generation, whose
+    # bounds are the server's own wall clock (HoldResponse), the step's the learner's.
+    assert "placement colocated: generation and the learner step take turns" in output
+    assert summary["placement"] == "colocated"
+    for s in steps:
+        assert s["policy_held_s"] > 0, s
+        assert s["policy_held_from_unix_s"] <= s["step_work_from_unix_s"] < s["step_work_until_unix_s"] \
+            <= s["policy_held_until_unix_s"], f"step {s['step']} ran outside the policy server's hold"
+    assert "generation held (learner step 1;" in (run_dir / "policy.log").read_text()
+    held = summary["learner_seconds"]["policy_held_s"]
+    assert summary["learner_seconds"]["train_s"] <= held, summary["learner_seconds"]
+    # Every group generated is settled once or still pending: nothing lost or counted twice.
+    assert summary["groups_generated"] == sum(summary["groups_settled"].values()) + summary["groups_pending"]
 
     assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checkpoint = max((run_dir / "checkpoints").glob("step_*"))

@@ -16,6 +16,7 @@ from clients.train.config import AgentCommand, TrainConfig, check_envs, load_tra
 from clients.train.display import Progress
 from clients.train.engine import Engine, Servers, engine_for
 from clients.train.loop import run_rollouts_into_learner
+from clients.train.placement import placement_line
 from clients.train.records import TrainOutcome
 from clients.train.resume import choose_run_dir, trained_steps
 from clients.train.summary import finish_outputs, print_summary, settle_with_learner
@@ -38,6 +39,7 @@ def train(config: TrainConfig, engine: Engine | None = None) -> TrainOutcome:
     run_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     console.print(f"[bold]sciproto train[/bold]: run directory {run_dir}")
+    console.print(placement_line(config.placement))
     servers = (engine or engine_for(config)).start(config, run_dir)
     outcome = TrainOutcome(run_dir=str(run_dir), stopped_by="aborted")
     progress = Progress(config.budget.max_steps, config.progress, config.display.stall_after_s,
@@ -45,6 +47,7 @@ def train(config: TrainConfig, engine: Engine | None = None) -> TrainOutcome:
     try:
         outcome = asyncio.run(_train_async(config, servers, run_dir, progress))
     finally:
+        outcome.placement = config.placement
         progress.close()
         # The learner first: on SIGTERM it finishes the step in flight (within stop_timeout_s),
         # logs it and writes its final checkpoint, which the summary then agrees with.

@@ -17,6 +17,7 @@ from clients.curriculum import read_curriculum
 from clients.step_rollouts import StepGroupSettings
 from clients.train.cluster import ClusterSettings
 from clients.train.phases import Phase, check_phases
+from clients.train.placement import check_placement
 from clients.train.task_stats import TaskFilter
 from env_servers.catalog import check_name, import_modules
 from env_servers.config import EnvServerConfig
@@ -273,6 +274,14 @@ class TrainConfig(BaseModel):
     phases: list[Phase] = Field(
         default_factory=list,
         description="sft phases on demonstrations, then grpo (clients.train.phases); empty: grpo only")
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description=(
+            "disaggregated: the policy server and the learner run side by side, each with processes.*_threads;"
+            " colocated: generation and the learner step take turns, each with every core (the learner holds"
+            " generation during its step; clients.train.placement)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _learner_trains_the_served_model(self) -> TrainConfig:
@@ -309,6 +318,7 @@ class TrainConfig(BaseModel):
             )
         check_phases(self.phases)
         self._size_the_policy_server_for_the_adapter()
+        self._place_the_roles()
         if self.policy.address is not None:
             if self.learner.lora is None:
                 raise ValueError(
@@ -320,6 +330,14 @@ class TrainConfig(BaseModel):
                 raise ValueError("policy.address shares a running policy server; cluster.engine ray starts its"
                                  " own: leave one of them unset")
         return self
+
+    def _place_the_roles(self) -> None:
+        """Check `placement`; colocated has the learner hold generation during its steps."""
+        processes = self.processes
+        check_placement(self.placement, engine=self.cluster.engine, shared_policy=self.policy.address is not None,
+                        pinned=bool(processes.env_cpus or processes.policy_cpus or processes.learner_cpus))
+        if self.placement == "colocated":
+            self.learner.hold_policy = True
 
     def _size_the_policy_server_for_the_adapter(self) -> None:
         """A LoRA run's own policy server holds its adapter: vLLM, which takes none unless told

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import yaml
 
+from clients.train.placement import role_env
 from sciproto.processes import ServerProcess, sciproto_command, start_command
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class StepBudget(Protocol):
 
 class SharedPolicy(Protocol):
     address: str | None  # a running policy server the run shares instead of starting one
+    backend: str
 
 
 class RunConfig(Protocol):
@@ -49,6 +51,7 @@ class RunConfig(Protocol):
     model). A protocol, so that this module does not import the one that calls it."""
 
     policy: SharedPolicy
+    placement: str  # resolved: "colocated" or "disaggregated" (clients.train.placement)
     learner: LearnerServerConfig
     budget: StepBudget
     processes: ProcessOptions
@@ -73,10 +76,6 @@ def write_component_config(config: RunConfig, run_dir: Path, policy_target: str)
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
     return path
-
-
-def threads_env(threads: int) -> dict[str, str] | None:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
 
 
 def pinned(command: list[str], cpus: Sequence[int]) -> list[str]:
@@ -121,7 +120,7 @@ def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
                     serve_command("policy", base_path, settings.policy_cpus),
                     timeout_s=timeout_s,
                     log_file=run_dir / "policy.log",
-                    env=threads_env(settings.policy_threads),
+                    env=role_env(config.placement, config.policy.backend, settings.policy_threads),
                 )
             failures = []
             for name, future in futures.items():
@@ -137,7 +136,7 @@ def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
             serve_command("learner", path, settings.learner_cpus),
             timeout_s=timeout_s,
             log_file=run_dir / "learner.log",
-            env=threads_env(settings.learner_threads),
+            env=role_env(config.placement, "learner", settings.learner_threads),
         )
     except BaseException:
         stop_servers(processes, settings.stop_timeout_s)
@@ -156,4 +155,4 @@ def stop_servers(processes: dict[str, ServerProcess], timeout_s: float) -> None:
                 )
 
 
-__all__ = ["serve_command", "start_servers", "stop_servers", "threads_env", "write_component_config"]
+__all__ = ["serve_command", "start_servers", "stop_servers", "write_component_config"]

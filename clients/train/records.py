@@ -126,6 +126,10 @@ class TrainOutcome(BaseModel):
     sft_seconds: float = 0.0  # seconds of the sft phases, before rollouts began
     # Seconds during which no group was being generated (the rollout client waited on the learner).
     generation_idle_s: float = 0.0
+    # Where the roles ran (clients.train.placement), and the learner's seconds by phase over its
+    # steps (metrics.jsonl): train_s, weight_sync_s, wait_rollouts_s and, colocated, policy_held_s.
+    placement: str = ""
+    learner_seconds: dict[str, float] = {}
     stopped_by: str = ""
     checkpoint: str = ""
     metrics: str = ""

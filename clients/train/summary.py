@@ -74,12 +74,24 @@ def finish_outputs(outcome: TrainOutcome, run_dir: Path) -> None:
     if records:
         outcome.plot = str(plot_metrics(records, run_dir / PLOT_FILE, title=run_dir.name))
     outcome.metrics = str(run_dir / METRICS_FILE)
+    outcome.learner_seconds = {key: round(sum(r.get(key) or 0.0 for r in records), 1) for key in LEARNER_PHASES
+                               if any(key in r for r in records)}
     outcome.rollouts = str(run_dir / ROLLOUTS_FILE)
     if not outcome.checkpoint:
         latest = latest_checkpoint(run_dir)
         outcome.checkpoint = str(latest) if latest else ""
     summary = outcome.model_dump(mode="json") | {"tokens_per_s": outcome.tokens_per_s}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+# The learner's phases, as metrics.jsonl times each step (summed in the summary).
+LEARNER_PHASES = ("train_s", "weight_sync_s", "wait_rollouts_s", "policy_held_s")
+
+
+def phases_row(outcome: TrainOutcome) -> str:
+    seconds = outcome.learner_seconds
+    row = " / ".join(f"{seconds.get(key, 0.0):.0f} s" for key in LEARNER_PHASES[:3])
+    return row + (f"; generation held {seconds['policy_held_s']:.0f} s" if "policy_held_s" in seconds else "")
 
 
 def set_aside_row(outcome: TrainOutcome) -> str:
@@ -115,6 +127,9 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         ("groups consumed / dropped stale / pending", settled),
         ("generation tokens/s", f"{outcome.tokens_per_s:.0f}"),
         ("generation idle", f"{outcome.generation_idle_s:.1f} s"),
+        *([("placement", outcome.placement)] if outcome.placement else []),
+        *([("learner training / pushing / waiting for rollouts", phases_row(outcome))]
+          if outcome.learner_seconds else []),
         *([("step groups / forks opened / closed", " / ".join(
             f"{outcome.step_groups[key]:.0f}" for key in ("step_groups", "forks_opened", "forks_closed")))]
           if outcome.step_groups else []),
