@@ -562,10 +562,7 @@ class VllmBackend:
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the serving version {self._version}")
         timeout = self._options.stall_timeout_s
-        if not self._paused:
-            # the prefix cache stays: new prompts carry the new version as cache_salt and never hit it
-            await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
-            self._paused = True
+        await self._pause(timeout)
         try:
             await asyncio.wait_for(self._engine.start_weight_update(), timeout)
         except BaseException:
@@ -617,8 +614,7 @@ class VllmBackend:
         timeout = self._options.stall_timeout_s
         lora_id = adapters.lora_id(spec.name)
         held = adapters.get(spec.name)
-        await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
-        self._paused = True
+        await self._pause(timeout)
         try:
             loaded = await asyncio.wait_for(
                 self._engine.add_lora(self._lora_request(spec.name, staged, replace=True)), timeout)
@@ -652,6 +648,13 @@ class VllmBackend:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._engine.remove_lora(lora_id), timeout)
 
+    async def _pause(self, timeout: float) -> None:
+        """Pause generation in "keep" mode (running requests freeze in place), unless paused already.
+        The prefix cache stays: new prompts carry the new version as cache_salt and never hit it."""
+        if not self._paused:
+            await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False), timeout)
+            self._paused = True
+
     async def _resume(self, timeout: float) -> None:
         if self._holds:
             return  # an open hold keeps generation paused; its release resumes
@@ -666,10 +669,7 @@ class VllmBackend:
         if self._closed:
             raise RuntimeError("backend is closed")
         async with self._update_lock:
-            if not self._paused:
-                await asyncio.wait_for(self._engine.pause_generation(mode="keep", clear_cache=False),
-                                       self._options.stall_timeout_s)
-                self._paused = True
+            await self._pause(self._options.stall_timeout_s)
             self._holds += 1
             return time.time(), len(self._running)
 
