@@ -48,14 +48,31 @@ SLOW_FILES = (
 SLOW_FOLDERS = ("reliability",)
 
 # With SCIPROTO_TEST_WORKERS=N, scripts/test.sh runs on N pytest-xdist workers (`--dist loadgroup`).
-# Each file's tests go to one worker together, so a module's servers start once; the files that start a Ray cluster
-# (Slurm's recipe starts one too) form one group, so no two Ray clusters run at once.
+# Each file's tests go to one worker together, in order, so a module's servers start once; the files that start a Ray
+# cluster (Slurm's recipe starts one too) form one group, so no two Ray clusters run at once. The scheduler below
+# groups them by node id: xdist's own `xdist_group` marks do nothing under pytest 9 (xdist renames a test's nodeid
+# to carry its group, which pytest 9's node ids no longer allow).
 ONE_AT_A_TIME = {"ray": ("test_ray_engine", "test_ray_job_submit", "test_slurm_recipe")}
 
 
-def xdist_group(path) -> str:
-    """The pytest-xdist group of a test file's tests: its shared group, else the file itself."""
-    return next((group for group, stems in ONE_AT_A_TIME.items() if path.stem in stems), str(path))
+def xdist_group(nodeid: str) -> str:
+    """The worker group of a test: its file's shared group, else the file itself."""
+    file = nodeid.split("::", 1)[0]
+    stem = file.rsplit("/", 1)[-1].removesuffix(".py")
+    return next((group for group, stems in ONE_AT_A_TIME.items() if stem in stems), file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: whole groups (`xdist_group`) to one worker each, in collection order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return FileGroups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,5 +82,3 @@ def pytest_collection_modifyitems(config, items):
         name = f"_{item.path.stem}_"
         if item.path.parent.name in SLOW_FOLDERS or any(f"_{words}_" in name for words in SLOW_FILES):
             item.add_marker(pytest.mark.slow)
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
