@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from sciproto.channel import ServerAccess
 from sciproto.client.policy import HoldWindow, PolicyClient
-from sciproto.errors import SciprotoError
+from sciproto.errors import SciprotoError, first_line
 
 log = logging.getLogger("learner.service")
 
@@ -80,7 +80,7 @@ class PolicyHold:
                 held.windows[index] = await holds[index].__aenter__()
             except (SciprotoError, TimeoutError, RuntimeError) as error:
                 log.warning("could not hold generation on %s for step %d (%s); the step shares the cores",
-                            targets[index], step, _line(error))
+                            targets[index], step, first_line(error))
 
         async def leave(index: int) -> None:
             if held.windows[index] is None:
@@ -88,7 +88,7 @@ class PolicyHold:
             try:
                 await holds[index].__aexit__(None, None, None)
             except (SciprotoError, TimeoutError, RuntimeError) as error:  # the server released it or is gone
-                log.warning("the hold of %s for step %d ended badly (%s)", targets[index], step, _line(error))
+                log.warning("the hold of %s for step %d ended badly (%s)", targets[index], step, first_line(error))
 
         await asyncio.gather(*(enter(i) for i in range(len(targets))))
         held.work_from = time.time()
@@ -105,10 +105,6 @@ class PolicyHold:
 def policy_hold(targets: list[str], access: ServerAccess | None, timeout_s: float, max_seconds: float,
                 enabled: bool) -> PolicyHold | None:
     return PolicyHold(targets, access, timeout_s, max_seconds) if enabled and targets else None
-
-
-def _line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 __all__ = ["HeldStep", "PolicyHold", "policy_hold"]

@@ -67,6 +67,7 @@ from sciproto.errors import (
     ResourceExhausted,
     Unavailable,
     Unimplemented,
+    first_line,
 )
 from sciproto.lora import LoraSpec
 from sciproto.pb import POLICY_SERVICE, policy_grpc, policy_pb2
@@ -282,7 +283,7 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
                                  f"{backend.max_adapter_rank} (adapters.max_rank)")
             manifest = backend.adapter_manifest(spec)
         except ValueError as error:
-            raise InvalidArgument(f"header.adapter: {_first_line(error)}", Reason.INVALID_WEIGHTS) from error
+            raise InvalidArgument(f"header.adapter: {first_line(error)}", Reason.INVALID_WEIGHTS) from error
         held = backend.adapters()
         if spec.name in held and held[spec.name].spec != spec:
             raise InvalidArgument(f"adapter {spec.name!r} is loaded with rank {held[spec.name].spec.rank}, alpha "
@@ -458,10 +459,6 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._tokenize.close()
         await self._backend.close()
 
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _record_request(span: Span, request: GenerationRequest, policy_version: int) -> None:

@@ -135,6 +135,12 @@ _BY_CODE: dict[grpc.StatusCode, type[SciprotoError]] = {
 _GRPC_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message, or its type's name when it has none: for a log line or
+    an error message that quotes another error."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def to_status(error: SciprotoError) -> status_pb2.Status:
     """The google.rpc.Status for an error: code, message, ErrorInfo, RetryInfo."""
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)

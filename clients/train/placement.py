@@ -26,9 +26,11 @@ from __future__ import annotations
 import os
 
 
-def machine_cpus() -> int:
+def machine_cores() -> list[int]:
     """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def check_placement(asked: str, *, engine: str, shared_policy: bool, pinned: bool) -> None:
@@ -44,7 +46,7 @@ def check_placement(asked: str, *, engine: str, shared_policy: bool, pinned: boo
 def placement_line(placement: str) -> str:
     """What a run says at its start about where its roles run."""
     if placement == "colocated":
-        return (f"placement colocated: generation and the learner step take turns, each with all {machine_cpus()}"
+        return (f"placement colocated: generation and the learner step take turns, each with all {len(machine_cores())}"
                 " cores")
     return "placement disaggregated: generation and the learner step run side by side"
 
@@ -53,7 +55,7 @@ def role_env(placement: str, backend: str, threads: int) -> dict[str, str] | Non
     """The environment of a policy or learner process: its thread pools' size (0: the library
     default), and with colocated vLLM on the CPU, its worker bound to every core."""
     if placement == "colocated":
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(machine_cpus()))
+        cores = machine_cores()
         env = {"OMP_NUM_THREADS": str(len(cores)), "MKL_NUM_THREADS": str(len(cores))}
         if backend == "vllm":
             contiguous = cores == list(range(cores[0], cores[-1] + 1))
@@ -63,4 +65,4 @@ def role_env(placement: str, backend: str, threads: int) -> dict[str, str] | Non
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
 
 
-__all__ = ["check_placement", "machine_cpus", "placement_line", "role_env"]
+__all__ = ["check_placement", "machine_cores", "placement_line", "role_env"]
