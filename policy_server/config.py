@@ -26,6 +26,10 @@ class WeightUpdateOptions(BaseModel):
     chunk_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for the next message of an update stream before it is refused"
     )
+    refused_drain_s: float = Field(
+        10.0, ge=0, description="Longest time the rest of a refused update is read and dropped before the refusal "
+        "goes out, so that an asyncio gRPC client gets its code and reason rather than INTERNAL (grpc/grpc#36066)"
+    )
     collective: CollectiveRendezvous | None = Field(
         None, description="The learner's collective weight-transfer group: gloo (transformers; vLLM on the CPU) or NCCL (vLLM on a GPU)"
     )

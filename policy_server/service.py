@@ -65,6 +65,7 @@ from sciproto.errors import (
     NotFound,
     Reason,
     ResourceExhausted,
+    SciprotoError,
     Unavailable,
     Unimplemented,
     first_line,
@@ -228,21 +229,40 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
 
     async def UpdateWeights(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],
                             context: grpc.aio.ServicerContext) -> policy_pb2.UpdateWeightsResponse:
-        if not (Capability.WEIGHT_UPDATES in self._declared and self._backend.info().supports_weight_updates):
-            raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
-                                Reason.UNSUPPORTED)
-        first = await self._next_message(request_iterator)
-        if not isinstance(first, policy_pb2.UpdateWeightsRequest) or first.WhichOneof("chunk") != "header":
-            raise InvalidArgument("the first message of UpdateWeights must be the header", Reason.INVALID_REQUEST)
-        if self._update_lock.locked():
-            raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
-                                     "finished, and send updates to a server from one place only",
-                                     Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
-        header = first.header
-        async with self._update_lock:
-            with span_for_request(span_name(Operation.UPDATE_WEIGHTS), context, header.trace_context,
-                                  **{Attr.POLICY_VERSION: header.policy_version}) as span:
-                return await self._apply_update(header, request_iterator, span)
+        try:
+            if not (Capability.WEIGHT_UPDATES in self._declared and self._backend.info().supports_weight_updates):
+                raise Unimplemented(f"the {self._backend.info().backend} backend cannot change its weights",
+                                    Reason.UNSUPPORTED)
+            first = await self._next_message(request_iterator)
+            if not isinstance(first, policy_pb2.UpdateWeightsRequest) or first.WhichOneof("chunk") != "header":
+                raise InvalidArgument("the first message of UpdateWeights must be the header", Reason.INVALID_REQUEST)
+            if self._update_lock.locked():
+                raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
+                                         "finished, and send updates to a server from one place only",
+                                         Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
+            header = first.header
+            async with self._update_lock:
+                with span_for_request(span_name(Operation.UPDATE_WEIGHTS), context, header.trace_context,
+                                      **{Attr.POLICY_VERSION: header.policy_version}) as span:
+                    return await self._apply_update(header, request_iterator, span)
+        except SciprotoError as error:
+            if not isinstance(error, DeadlineExceeded):  # a stalled stream has nothing left to read
+                await self._drain(request_iterator)
+            raise
+
+    async def _drain(self, request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview]) -> None:
+        """Read and drop what is left of a refused update (outside the update lock), for at most
+        `weights.refused_drain_s`, before the refusal goes out. grpcio's asyncio client loses the
+        server's status when one of its writes meets a call the server has already ended: it reports
+        INTERNAL ("Internal error from Core") instead (grpc/grpc#36066). A client that has written
+        everything gets the refusal's own code and reason. Data chunks are not parsed, so this costs
+        little more than the bytes."""
+        try:
+            async with asyncio.timeout(self._config.weights.refused_drain_s):
+                async for _ in request_iterator:
+                    pass
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # past the bound, or the client went away: answer now
 
     async def _apply_update(self, header: policy_pb2.WeightsHeader,
                             request_iterator: AsyncIterator[policy_pb2.UpdateWeightsRequest | memoryview],

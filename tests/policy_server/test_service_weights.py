@@ -87,6 +87,25 @@ async def test_corrupt_updates_are_refused_and_the_old_weights_keep_serving(clie
     assert list(after.samples[0].logprobs) == list(before.samples[0].logprobs)
 
 
+async def test_a_refused_update_reports_its_reason_while_chunks_are_still_in_flight(client: PolicyClient) -> None:
+    """A header refused before its data has arrived: the server's reason must reach the client even
+    though the client is still writing chunks. grpcio's asyncio client replaces the server's status
+    with INTERNAL ("Internal error from Core") when a write fails because the server had already
+    ended the call (grpc/grpc#36066): with 8 MiB in 1 MiB chunks behind a refused header, about a
+    quarter of the tries met it on two cores (until the server read the rest of a refused stream)."""
+    version = (await client.describe()).policy_version
+    header, (data,), _ = corrupt_updates(version + 1)["wrong-dtype"]
+    data = (data * (8 * 2**20 // len(data) + 1))[: 8 * 2**20]
+    chunks = [data[at:at + 2**20] for at in range(0, len(data), 2**20)]
+    reasons = []
+    for _ in range(100):
+        with pytest.raises(SciprotoError) as caught:
+            await raw_update(client, header, chunks)
+        reasons.append(caught.value.reason)
+    assert reasons == [Reason.INVALID_WEIGHTS] * len(reasons), {r: reasons.count(r) for r in set(reasons)}
+    assert (await client.describe()).policy_version == version
+
+
 async def test_update_changes_outputs_and_version(client: PolicyClient) -> None:
     before = await client.generate_group(GREEDY)
     version = (await client.describe()).policy_version + 1
