@@ -173,8 +173,11 @@ async def test_every_group_is_accounted_once_through_a_learner_crash_a_failed_st
             deadline = time.monotonic() + RUN_TIMEOUT_S / 2
             while time.monotonic() < deadline:
                 state = await stub.Describe(learner_pb2.LearnerServiceDescribeRequest(), timeout=10)
-                if state.step >= 2 and state.buffer.groups_buffered >= BATCH - 1:
+                # Any buffered group will do: waiting for nearly a batch missed its short window
+                # on a loaded machine, and the run reached its last step first.
+                if state.step >= 2 and state.buffer.groups_buffered >= 1:
                     break
+                assert state.step < steps - 1, "the run neared its end before the learner held a buffered group"
                 await asyncio.sleep(0.05)
         killed_with.append(state.buffer.groups_buffered)
         learner.kill()
