@@ -72,12 +72,13 @@ for arg in "$@"; do
   # the suite's time): what tests/conftest.py does not mark slow.
   if [[ $arg == --quick ]]; then args+=(-m "not slow"); else args+=("$arg"); fi
 done
-# SCIPROTO_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/conftest.py keeps each
-# file's tests on one worker and the Ray tests one at a time): about 0.7x the serial time on two
-# cores. Serial by default: a test that restarts a server on its old port can meet another worker's
-# server there.
+# The suite runs on two pytest-xdist workers where the machine has two cores or more (about 0.6x the
+# serial time on two): tests/conftest.py keeps each file's tests on one worker, in order, and the
+# files that start a Ray cluster one at a time. SCIPROTO_TEST_WORKERS=N picks N workers; 0 runs
+# serially.
+workers_wanted=${SCIPROTO_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}
 workers=()
-if [[ ${SCIPROTO_TEST_WORKERS:-0} != 0 ]]; then workers=(-n "$SCIPROTO_TEST_WORKERS" --dist loadgroup); fi
+if [[ $workers_wanted != 0 ]]; then workers=(-n "$workers_wanted" --dist loadgroup); fi
 pytest=(.venv/bin/python -m pytest -q "${workers[@]}" "${args[@]}")
 # pytest runs in a network namespace of its own whose only interface is loopback: nothing a test
 # starts (servers, browsers, Ray, whose dashboard probes the cloud metadata address) reaches

@@ -47,7 +47,7 @@ SLOW_FILES = (
 )
 SLOW_FOLDERS = ("reliability",)
 
-# With SCIPROTO_TEST_WORKERS=N, scripts/test.sh runs on N pytest-xdist workers (`--dist loadgroup`).
+# scripts/test.sh runs on two pytest-xdist workers (`--dist loadgroup`; SCIPROTO_TEST_WORKERS=N for N, 0 serial).
 # Each file's tests go to one worker together, in order, so a module's servers start once; the files that start a Ray
 # cluster (Slurm's recipe starts one too) form one group, so no two Ray clusters run at once. The scheduler below
 # groups them by node id: xdist's own `xdist_group` marks do nothing under pytest 9 (xdist renames a test's nodeid
