@@ -30,11 +30,15 @@ def kernel_processes() -> list[psutil.Process]:
     the bwrap processes of their sandboxes; not the pooled kernels of env servers that other
     tests' fixtures run as child processes: those live in their own server's scratch directory)."""
     scratch = f"sciproto-env-{os.getpid()}-"
-    return [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if "ipykernel" in (line := " ".join(child.cmdline())) and scratch in line and child.name() != "bwrap"
-    ]
+    kernels = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            line, name = " ".join(child.cmdline()), child.name()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # exited (a zombie another test's process left unreaped): no running kernel
+        if "ipykernel" in line and scratch in line and name != "bwrap":
+            kernels.append(child)
+    return kernels
 
 
 # ---------------------------------------------------------------- gsm8k
