@@ -80,6 +80,12 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
     assert "generation held (learner step 1;" in (run_dir / "policy.log").read_text()
     held = summary["learner_seconds"]["policy_held_s"]
     assert summary["learner_seconds"]["train_s"] <= held, summary["learner_seconds"]
+    # The policy server's rate alone, timed before the first rollout (2 groups of the run's 8
+    # samples, at most 24 tokens each), and the run's own rate while it generated.
+    calibration = summary["calibration"]
+    assert (calibration["servers"], calibration["groups"], calibration["samples"]) == (1, 2, 8), calibration
+    assert 0 < calibration["tokens"] <= 2 * 8 * 24 and calibration["tokens_per_s"] > 0, calibration
+    assert summary["tokens_per_s_generating"] >= summary["tokens_per_s"] > 0
     # Every group generated is settled once or still pending: nothing lost or counted twice.
     assert summary["groups_generated"] == sum(summary["groups_settled"].values()) + summary["groups_pending"]
 

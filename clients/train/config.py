@@ -239,6 +239,11 @@ class DisplaySettings(BaseModel):
     stall_after_s: float = Field(
         60.0, gt=0, description="Say why when no optimizer step has run for this long"
     )
+    calibration_groups: int = Field(
+        2, ge=0, description=("Before the first rollout, time this many Generate calls of rollout.samples on each"
+                              " policy server alone, for the summary's tokens/s alone against in the run (0: skip)")
+    )
+    calibration_max_tokens: int = Field(32, ge=1, description="Most tokens per sample of the calibration")
 
 
 class TrainPolicySettings(PolicyServerConfig):

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from clients.agent import env_pool, policy_pool
+from clients.train.calibration import calibrate
 from clients.train.config import TrainConfig
 from clients.train.display import Progress, RunStatus
 from clients.train.engine import Role, ServerGone, Servers
@@ -76,7 +77,6 @@ async def run_rollouts_into_learner(
     status = RunStatus(batch_groups=config.learner.batch_groups)
     outcome = TrainOutcome(run_dir=str(run_dir))
     learner = LearnerStream(learner_target, ledger, status, rollout.learner_reconnect_s)
-    started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
 
     env_targets = [env_target] if isinstance(env_target, str) else list(env_target)
@@ -86,6 +86,13 @@ async def run_rollouts_into_learner(
                "wait_for_healthy_s": config.cluster.restart_wait_s} for role in ("env", "policy")}
     async with (env_pool(env_targets, **moves.get("env", {})) as env,
                 policy_pool(policy_targets, **moves.get("policy", {})) as policy):
+        # 0. The policy servers' rate alone, before anything else runs (not in the run's seconds).
+        calibration = await calibrate(
+            policy, groups=config.display.calibration_groups, samples=rollout.samples,
+            max_tokens=min(config.display.calibration_max_tokens, rollout.sampling.max_tokens),
+            temperature=rollout.sampling.temperature, timeout_s=rollout.deadlines.generate_s)
+        outcome.calibration = calibration.summary() if calibration is not None else {}
+        started = time.monotonic()
         # 1. Tasks.
         tasks = await open_tasks(rollout, env, run_dir, flow, status)
         stats_file = TaskStatsFile(run_dir, config.learner.checkpoint_every)

@@ -130,6 +130,9 @@ class TrainOutcome(BaseModel):
     # steps (metrics.jsonl): train_s, weight_sync_s, wait_rollouts_s and, colocated, policy_held_s.
     placement: str = ""
     learner_seconds: dict[str, float] = {}
+    # The policy servers' rate alone before the first rollout (clients.train.calibration): tokens,
+    # seconds, servers, groups, samples, tokens_per_s; empty when skipped.
+    calibration: dict[str, float] = {}
     stopped_by: str = ""
     checkpoint: str = ""
     metrics: str = ""
@@ -140,6 +143,13 @@ class TrainOutcome(BaseModel):
     def tokens_per_s(self) -> float:
         """Completion tokens per second of generating: from the end of the sft phases on."""
         generating = self.seconds - self.sft_seconds
+        return self.completion_tokens / generating if generating > 0 else 0.0
+
+    @property
+    def tokens_per_s_generating(self) -> float:
+        """Completion tokens per second while some group was being generated (less the idle waits
+        on the learner): the rate to set beside the calibration's rate alone."""
+        generating = self.seconds - self.sft_seconds - self.generation_idle_s
         return self.completion_tokens / generating if generating > 0 else 0.0
 
 

@@ -80,7 +80,8 @@ def finish_outputs(outcome: TrainOutcome, run_dir: Path) -> None:
     if not outcome.checkpoint:
         latest = latest_checkpoint(run_dir)
         outcome.checkpoint = str(latest) if latest else ""
-    summary = outcome.model_dump(mode="json") | {"tokens_per_s": outcome.tokens_per_s}
+    summary = outcome.model_dump(mode="json") | {"tokens_per_s": outcome.tokens_per_s,
+                                                 "tokens_per_s_generating": outcome.tokens_per_s_generating}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -92,6 +93,12 @@ def phases_row(outcome: TrainOutcome) -> str:
     seconds = outcome.learner_seconds
     row = " / ".join(f"{seconds.get(key, 0.0):.0f} s" for key in LEARNER_PHASES[:3])
     return row + (f"; generation held {seconds['policy_held_s']:.0f} s" if "policy_held_s" in seconds else "")
+
+
+def calibration_row(outcome: TrainOutcome) -> str:
+    """The run's rate while it generated against the policy servers' rate alone before it began."""
+    alone, inside = outcome.calibration["tokens_per_s"], outcome.tokens_per_s_generating
+    return f"{inside:.0f} / {alone:.0f}" + (f" ({inside / alone:.0%})" if alone > 0 else "")
 
 
 def set_aside_row(outcome: TrainOutcome) -> str:
@@ -127,6 +134,8 @@ def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None
         ("groups consumed / dropped stale / pending", settled),
         ("generation tokens/s", f"{outcome.tokens_per_s:.0f}"),
         ("generation idle", f"{outcome.generation_idle_s:.1f} s"),
+        *([("generation tokens/s while generating / alone", calibration_row(outcome))]
+          if outcome.calibration else []),
         *([("placement", outcome.placement)] if outcome.placement else []),
         *([("learner training / pushing / waiting for rollouts", phases_row(outcome))]
           if outcome.learner_seconds else []),
