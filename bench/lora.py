@@ -9,14 +9,15 @@
    step time of GRPO on the same synthetic batch, trainable parameters, the tensors a push carries,
    and the process's peak RSS.
 3. With `--gain-seconds S`: `bench/real_model.py --seconds S` for each mode (`--set learner.lora...`
-   for LoRA), and each run's held-out gain with its interval.
+   for LoRA; one base evaluation for both, or `--base-report`), and each run's held-out gain with
+   its interval, its steps and groups generated.
 
 Output: {"policy": {backend: {"full_push_s", "lora_push_s", "push_ratio_lora_over_full",
          "base_tokens_per_s", "lora_tokens_per_s", "tokens_ratio_lora_over_base"}},
          "learner": {"full": {...}, "lora": {...}, "step_ratio_lora_over_full", "rss_ratio_lora_over_full"},
          "gain": {...} (with --gain-seconds)}
 Usage: python bench/lora.py [--backends transformers vllm] [--rank 8] [--repeats 3] [--gain-seconds 0]
-       [--parts policy learner] [--output FILE]
+       [--base-report FILE] [--parts [policy] [learner]] [--output FILE]
 """
 
 from __future__ import annotations
@@ -205,19 +206,27 @@ def bench_learner(rank: int, steps: int) -> dict[str, Any]:
 # -- 3. held-out gain ---------------------------------------------------------------------------
 
 
-def bench_gain(seconds: float, rank: int, output: Path) -> dict[str, Any]:
-    runs = {"full": [], "lora": ["--set", f"learner.lora.rank={rank}", "--set", f"learner.lora.alpha={2 * rank}",
-                                 "--set", "run.name=bench-lora"]}
-    results = {}
+def bench_gain(seconds: float, rank: int, output: Path, base_report: Path | None) -> dict[str, Any]:
+    """Each mode trained `seconds` by bench/real_model.py and evaluated on the same held-out tasks; the
+    base model is evaluated once (or read from `base_report`) and reused by every mode."""
+    runs = {"full": [], "lora": ["--set", f"learner.lora.rank={rank}", "--set", f"learner.lora.alpha={2 * rank}"]}
+    runs_dir = Path("runs")
+    results: dict[str, Any] = {"seconds": seconds}
     for mode, extra in runs.items():
         out = output.with_name(f"{output.stem}.gain-{mode}.json")
-        progress(f"held-out gain, {mode}: bench/real_model.py --seconds {seconds:g}")
+        run_name = f"bench-lora-gain-{mode}-{int(time.time())}"
+        progress(f"held-out gain, {mode}: bench/real_model.py --seconds {seconds:g} (run {runs_dir / run_name})")
+        base = ["--base-report", str(base_report)] if base_report else []
         subprocess.run([sys.executable, str(Path(__file__).with_name("real_model.py")), "--seconds", str(seconds),
-                        "--output", str(out), *extra], check=True, timeout=seconds * 3 + 3600)
+                        "--runs-dir", str(runs_dir), "--run-name", run_name, "--output", str(out), *base, *extra],
+                       check=True, timeout=seconds * 3 + 3600)
+        base_report = base_report or runs_dir / f"{run_name}.base-eval.json"
         report = json.loads(out.read_text())
         results[mode] = {"base": report["base"]["pass@1"], "trained": report["trained"]["pass@1"],
                          "trained_interval": [report["trained"]["low"], report["trained"]["high"]],
-                         "gain_points": report["gain_points"], "steps": report["train"].get("steps")}
+                         "gain_points": report["gain_points"], "steps": report["train"].get("steps"),
+                         "groups_generated": report["train"].get("groups_generated"),
+                         "gain_points_per_100_groups": report.get("gain_points_per_100_groups")}
     return results
 
 
@@ -229,7 +238,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="learner optimizer steps per mode (the first is warm-up)")
     parser.add_argument("--gain-seconds", type=float, default=0.0,
                         help="train each mode this long with bench/real_model.py and compare held-out gains (0: skip)")
-    parser.add_argument("--parts", nargs="+", default=["policy", "learner"], choices=["policy", "learner"])
+    parser.add_argument("--base-report", type=Path, default=None,
+                        help="with --gain-seconds: reuse this base evaluation (bench/real_model.py's *.base-eval.json)")
+    parser.add_argument("--parts", nargs="*", default=["policy", "learner"], choices=["policy", "learner"])
     parser.add_argument("--output", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--learner-child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -243,7 +254,7 @@ def main() -> None:
     if "learner" in args.parts:
         result["learner"] = bench_learner(args.rank, args.steps)
     if args.gain_seconds > 0:
-        result["gain"] = bench_gain(args.gain_seconds, args.rank, args.output)
+        result["gain"] = bench_gain(args.gain_seconds, args.rank, args.output, args.base_report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -9,10 +9,11 @@
 3. Evaluates the run's final checkpoint the same way (a policy server serving its weights).
 
 Output JSON: {"base": {"pass@1", "low", "high", ...}, "trained": {...}, "gain_points": ...,
-"gain_beyond_intervals": trained.low > base.high, "train": {steps, seconds, generation/training
-tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding makes both
-evaluations deterministic for given weights; the training run is seeded (`learner.grpo.seed`,
-`rollout.sampling.seed`) but its timing on a shared machine is not, so two runs differ.
+"gain_beyond_intervals": trained.low > base.high, "gain_points_per_100_groups" (the gain over the
+groups the run generated), "train": {steps, seconds, groups_generated, generation tokens/s over the
+run, while generating and alone before it (the run's calibration), training tokens/s, ...}, "seed",
+...}; the ratio is trained over base pass@1. Greedy decoding makes both evaluations deterministic
+for given weights; the training run is seeded (`learner.grpo.seed`, `rollout.sampling.seed`) but its timing on a shared machine is not, so two runs differ.
 Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100]
        [--eval-tasks ENV:SPLIT] [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
 """
@@ -91,6 +92,8 @@ def train_figures(run_dir: Path) -> dict:
             "reward_first_step": steps[0]["reward_mean"] if steps else None,
             "reward_last_steps": round(statistics.fmean(s["reward_mean"] for s in steps[-3:]), 4) if steps else None,
             "generation_tokens_per_s": round(summary.get("tokens_per_s", 0.0), 2),
+            "generation_tokens_per_s_generating": round(summary.get("tokens_per_s_generating", 0.0), 2),
+            "generation_tokens_per_s_alone": (summary.get("calibration") or {}).get("tokens_per_s"),
             "generation_tokens_per_s_learner_mean": mean_of("tokens_per_s_generation"),
             "training_tokens_per_s_mean": mean_of("tokens_per_s_training"),
             "checkpoint": summary.get("checkpoint"), "run_dir": str(run_dir)}
@@ -143,6 +146,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     return {"config": args.config, "eval_tasks": f"{tasks} (first {args.limit}, greedy)", "seed": args.seed,
             "train_budget_s": args.seconds, "base": before, "trained": after,
             "gain_points": round(100 * (after["pass@1"] - before["pass@1"]), 1),
+            "gain_points_per_100_groups": (round(100 * 100 * (after["pass@1"] - before["pass@1"])
+                                                 / figures["groups_generated"], 2)
+                                           if figures.get("groups_generated") else None),
             "gain_beyond_intervals": after["low"] > before["high"],
             "ratio_trained_over_base": round(after["pass@1"] / before["pass@1"], 3) if before["pass@1"] else None,
             "train": figures}
