@@ -132,7 +132,7 @@ class TrainOutcome(BaseModel):
     learner_seconds: dict[str, float] = {}
     # The policy servers' rate alone before the first rollout (clients.train.calibration): tokens,
     # seconds, servers, groups, samples, tokens_per_s; empty when skipped.
-    calibration: dict[str, float] = {}
+    calibration: dict[str, int | float] = {}
     stopped_by: str = ""
     checkpoint: str = ""
     metrics: str = ""
