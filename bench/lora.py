@@ -9,7 +9,7 @@
    step time of GRPO on the same synthetic batch, trainable parameters, the tensors a push carries,
    and the process's peak RSS.
 3. With `--gain-seconds S`: `bench/real_model.py --seconds S` for each mode (`--set learner.lora...`
-   for LoRA, at `--lora-lr`, ten times the full run's rate; one base evaluation for both, or
+   for LoRA: an adapter on `--gain-targets` at `--lora-lr`; one base evaluation for both, or
    `--base-report`), and each run's held-out gain with its interval, its steps and groups generated.
 
 Output: {"policy": {backend: {"full_push_s", "lora_push_s", "push_ratio_lora_over_full",
@@ -17,8 +17,8 @@ Output: {"policy": {backend: {"full_push_s", "lora_push_s", "push_ratio_lora_ove
          "learner": {"full": {...}, "lora": {...}, "step_ratio_lora_over_full", "rss_ratio_lora_over_full"},
          "gain": {...} (with --gain-seconds)}
 Usage: python bench/lora.py [--backends transformers vllm] [--rank 8] [--repeats 3] [--gain-seconds 0]
-       [--base-report FILE] [--gain-modes full lora] [--lora-lr 1e-4] [--parts [policy] [learner]]
-       [--output FILE]
+       [--base-report FILE] [--gain-modes full lora] [--lora-lr 1e-4] [--gain-targets q_proj ...]
+       [--parts [policy] [learner]] [--output FILE]
 """
 
 from __future__ import annotations
@@ -208,14 +208,15 @@ def bench_learner(rank: int, steps: int) -> dict[str, Any]:
 
 
 def bench_gain(seconds: float, rank: int, output: Path, base_report: Path | None, modes: list[str],
-               lora_lr: float) -> dict[str, Any]:
+               lora_lr: float, targets: list[str]) -> dict[str, Any]:
     """Each mode trained `seconds` by bench/real_model.py and evaluated on the same held-out tasks; the
-    base model is evaluated once (or read from `base_report`) and reused by every mode. LoRA trains at
-    `lora_lr`: an adapter's best learning rate is about ten times full fine-tuning's."""
+    base model is evaluated once (or read from `base_report`) and reused by every mode. LoRA trains an
+    adapter on `targets` at `lora_lr` (an adapter wants a rate well above full fine-tuning's)."""
     runs = {"full": [], "lora": ["--set", f"learner.lora.rank={rank}", "--set", f"learner.lora.alpha={2 * rank}",
+                                 "--set", f"learner.lora.target_modules=[{','.join(targets)}]",
                                  "--set", f"learner.grpo.lr={lora_lr:g}"]}
     runs_dir = Path("runs")
-    results: dict[str, Any] = {"seconds": seconds, "lora_lr": lora_lr}
+    results: dict[str, Any] = {"seconds": seconds, "lora_lr": lora_lr, "lora_targets": targets}
     for mode, extra in ((mode, runs[mode]) for mode in modes):
         out = output.with_name(f"{output.stem}.gain-{mode}.json")
         run_name = f"bench-lora-gain-{mode}-{int(time.time())}"
@@ -248,6 +249,8 @@ def main() -> None:
                         help="with --gain-seconds: the modes to train")
     parser.add_argument("--lora-lr", type=float, default=1e-4,
                         help="with --gain-seconds: LoRA's learning rate (10x arith_smollm2_cpu's 1e-5 for full weights)")
+    parser.add_argument("--gain-targets", nargs="+", default=list(TARGETS),
+                        help="with --gain-seconds: the linear layers LoRA's adapter wraps (default q/k/v/o)")
     parser.add_argument("--parts", nargs="*", default=["policy", "learner"], choices=["policy", "learner"])
     parser.add_argument("--output", type=Path, default=Path("bench/results/lora.json"))
     parser.add_argument("--learner-child", choices=["full", "lora"], help=argparse.SUPPRESS)
@@ -263,7 +266,7 @@ def main() -> None:
         result["learner"] = bench_learner(args.rank, args.steps)
     if args.gain_seconds > 0:
         result["gain"] = bench_gain(args.gain_seconds, args.rank, args.output, args.base_report, args.gain_modes,
-                                    args.lora_lr)
+                                    args.lora_lr, args.gain_targets)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from server_output import wait_for_line
 
 from clients.train import StepRecord, TrainConfig, TrainOutcome, run_rollouts_into_learner
 from sciproto.channel import make_channel
@@ -175,12 +176,7 @@ async def test_every_group_is_accounted_once_through_a_learner_crash_a_failed_st
     async def crash_when_held() -> None:
         """SIGKILL the learner once it holds groups no client has heard the fate of (the held
         step's), then start it again."""
-        line = f"holding at after_train of step {HELD_STEP}"
-        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
-        while not any(line in text for text in list(learner.output)):
-            assert learner.alive(), "\n".join(learner.output)
-            assert time.monotonic() < deadline, f"no {line!r} in:\n" + "\n".join(learner.output)
-            await asyncio.sleep(0.1)
+        await wait_for_line(learner, f"holding at after_train of step {HELD_STEP}", RUN_TIMEOUT_S / 2)
         async with make_channel(learner.target) as channel:
             state = await learner_grpc.LearnerServiceStub(channel).Describe(
                 learner_pb2.LearnerServiceDescribeRequest(), timeout=10)

@@ -56,9 +56,8 @@ async def calibrate(policy: ReplicaPool[PolicyClient], *, groups: int, samples: 
     request = generate_request(messages=[message], temperature=temperature, max_tokens=max_tokens, n=samples)
     started = time.perf_counter()
     try:
-        results = await asyncio.wait_for(asyncio.gather(*(
-            replica.client.generate_group(request, timeout_s=timeout_s)
-            for replica in replicas for _ in range(groups))), timeout_s)
+        results = await asyncio.gather(*(replica.client.generate_group(request, timeout_s=timeout_s)
+                                         for replica in replicas for _ in range(groups)))
     except Exception as error:  # noqa: BLE001 - a figure for the summary; the run itself goes on
         log.warning("generation calibration skipped: %s", first_line(error))
         return None

@@ -142,15 +142,16 @@ class TrainOutcome(BaseModel):
     @property
     def tokens_per_s(self) -> float:
         """Completion tokens per second of generating: from the end of the sft phases on."""
-        generating = self.seconds - self.sft_seconds
-        return self.completion_tokens / generating if generating > 0 else 0.0
+        return self._tokens_per(self.seconds - self.sft_seconds)
 
     @property
     def tokens_per_s_generating(self) -> float:
         """Completion tokens per second while some group was being generated (less the idle waits
         on the learner): the rate to set beside the calibration's rate alone."""
-        generating = self.seconds - self.sft_seconds - self.generation_idle_s
-        return self.completion_tokens / generating if generating > 0 else 0.0
+        return self._tokens_per(self.seconds - self.sft_seconds - self.generation_idle_s)
+
+    def _tokens_per(self, seconds: float) -> float:
+        return self.completion_tokens / seconds if seconds > 0 else 0.0
 
 
 def budget_spent(budget: Budget, steps: Sequence[StepRecord]) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from server_output import wait_for_line
 from test_learner_service import (
     BATCH_GROUPS,
     EVENT_TIMEOUT_S,
@@ -58,14 +59,6 @@ async def feed(stream: TrainStream, ledger: GroupLedger) -> None:
                 ledger.on_step_failure(event.step_failure)
 
 
-async def wait_for_line(server: ServerProcess, text: str) -> None:
-    deadline = time.monotonic() + EVENT_TIMEOUT_S
-    while not any(text in line for line in list(server.output)):
-        assert server.alive(), "\n".join(server.output)
-        assert time.monotonic() < deadline, f"no {text!r} in:\n" + "\n".join(server.output)
-        await asyncio.sleep(0.1)
-
-
 async def resend_what_has_no_fate(stream: TrainStream, ledger: GroupLedger) -> list:
     """Send again every group the client heard no fate of, as the rollout client does after a
     learner restart; the receipts go into the ledger and are returned."""
@@ -98,7 +91,7 @@ async def test_a_learner_killed_at_any_point_of_a_step_counts_every_group_once(
                 ledger.add(request)
                 ledger.sent.add(group_id)
                 await stream.send(request.group)
-            await wait_for_line(learner, f"holding at {point} of step {HELD_STEP}")
+            await wait_for_line(learner, f"holding at {point} of step {HELD_STEP}", EVENT_TIMEOUT_S)
             await asyncio.sleep(SETTLE_S)
             learner.kill()  # SIGKILL: no shutdown checkpoint
             await asyncio.wait_for(reader, EVENT_TIMEOUT_S)
@@ -166,7 +159,7 @@ async def test_a_group_a_checkpointed_step_dropped_stale_is_refused_as_such_when
             after_first = (await describe(channel)).policy_version
             for n in range(BATCH_GROUPS):  # step 2: drops old/2, trains new/0 and new/1
                 await stream.send(add(f"new/{n}", after_first, 10 + n))
-            await wait_for_line(learner, "holding at after_checkpoint of step 2")
+            await wait_for_line(learner, "holding at after_checkpoint of step 2", EVENT_TIMEOUT_S)
             await asyncio.sleep(SETTLE_S)
             learner.kill()
             await asyncio.wait_for(reader, EVENT_TIMEOUT_S)
