@@ -10,9 +10,11 @@ Tracing: a Generate runs in a `chat {model}` span (token counts, policy version,
 an update in a `sciproto.policy.update_weights` span (version, bytes), each a child of the span the
 request's trace_context names (see `sciproto.tracing.span_for_request`).
 
-UpdateWeights: one update at a time; a second one that arrives while another is being received
-or applied is refused at once (FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry
-hint) rather than queued, so a sender learns immediately that two writers target this server.
+UpdateWeights: one update received and applied at a time. A second update of the same target
+(the base weights, or one named adapter) that arrives while another is open is refused at once
+(FAILED_PRECONDITION, reason UPDATE_IN_PROGRESS, with a retry hint) rather than queued, so a
+sender learns immediately that two writers push the same weights; an update of another target
+(two training runs, each pushing its own adapter) waits its turn, within its deadline.
 A header with transport COLLECTIVE carries no data chunks: the tensors come over the learner's
 collective group and the backend's `receive_weights_collective` takes them (vLLM: NCCL on a GPU,
 gloo on the CPU; transformers: the gloo group of `sciproto.weights.group`), where its plug-in
@@ -109,7 +111,8 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
         self._tokenize = Tokenizing(tokenize, lambda: self._backend.info().max_context, longest_token_chars)
         self._config = config
         self._active: set[object] = set()  # one token per running Generate call
-        self._update_lock = asyncio.Lock()
+        self._update_lock = asyncio.Lock()  # one update received and applied at a time
+        self._updating: set[str] = set()  # what updates are open for: "" (base weights), adapter names
         self._weights_run_id = ""  # WeightsProvenance.run_id of the update serving now
         self._serving_digests = DigestCheck(None)  # the checked tensor digests of the update serving now
         # Per adapter: WeightsProvenance.run_id and the checked set digest of its update serving now.
@@ -236,15 +239,21 @@ class PolicyServicer(policy_grpc.PolicyServiceServicer):
             first = await self._next_message(request_iterator)
             if not isinstance(first, policy_pb2.UpdateWeightsRequest) or first.WhichOneof("chunk") != "header":
                 raise InvalidArgument("the first message of UpdateWeights must be the header", Reason.INVALID_REQUEST)
-            if self._update_lock.locked():
-                raise FailedPrecondition("another weight update is in progress on this server; retry when it has "
-                                         "finished, and send updates to a server from one place only",
-                                         Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
             header = first.header
-            async with self._update_lock:
-                with span_for_request(span_name(Operation.UPDATE_WEIGHTS), context, header.trace_context,
-                                      **{Attr.POLICY_VERSION: header.policy_version}) as span:
-                    return await self._apply_update(header, request_iterator, span)
+            target = header.adapter.name if header.HasField("adapter") else ""
+            if target in self._updating:
+                what = f"adapter {target!r}" if target else "the base weights"
+                raise FailedPrecondition(f"another update of {what} is in progress on this server; retry when it "
+                                         "has finished, and send updates of one model or adapter from one place only",
+                                         Reason.UPDATE_IN_PROGRESS, retry_after_s=1.0)
+            self._updating.add(target)
+            try:
+                async with self._update_lock:  # an update of another target waits its turn
+                    with span_for_request(span_name(Operation.UPDATE_WEIGHTS), context, header.trace_context,
+                                          **{Attr.POLICY_VERSION: header.policy_version}) as span:
+                        return await self._apply_update(header, request_iterator, span)
+            finally:
+                self._updating.discard(target)
         except SciprotoError as error:
             if not isinstance(error, DeadlineExceeded):  # a stalled stream has nothing left to read
                 await self._drain(request_iterator)

@@ -50,6 +50,11 @@ def train(tmp_path: Path, name: str, policy: str, *extra: str) -> subprocess.Pop
                             env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
 
 
+def logs_of(run_dir: Path) -> str:
+    """The end of each server log of a run, to say why it failed."""
+    return "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}" for log in sorted(run_dir.glob("*.log")))
+
+
 def adapter_digest(run_dir: Path, name: str) -> bytes:
     """The set digest of the adapter in the run's last checkpoint, its tensors in the wire's order."""
     checkpoint = max((run_dir / "checkpoints").glob("step_*"))
@@ -75,7 +80,7 @@ def test_two_runs_train_their_own_adapters_on_one_policy_server(tmp_path: Path, 
         short_output, _ = short.communicate(timeout=600)
         metrics = tmp_path / "team-a" / "metrics.jsonl"
         long_steps_then = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        assert short.returncode == 0, short_output[-4000:]
+        assert short.returncode == 0, short_output[-4000:] + logs_of(tmp_path / "team-b")
         assert long.poll() is None, "the longer run ended with the shorter one"
         long_output, _ = long.communicate(timeout=720)
     finally:
@@ -83,7 +88,7 @@ def test_two_runs_train_their_own_adapters_on_one_policy_server(tmp_path: Path, 
             if process.poll() is None:
                 process.terminate()
                 process.communicate(timeout=180)
-    assert long.returncode == 0, long_output[-4000:]
+    assert long.returncode == 0, long_output[-4000:] + logs_of(tmp_path / "team-a")
     long_dir, short_dir = tmp_path / "team-a", tmp_path / "team-b"
     long_summary = json.loads((long_dir / "summary.json").read_text())
     assert long_summary["stopped_by"] == "target_reward", long_output[-3000:]

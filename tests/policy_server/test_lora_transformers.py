@@ -316,3 +316,37 @@ async def test_server_refuses_adapters_past_its_limit_and_unknown_names(
             await push
         assert isinstance(refused.value, ResourceExhausted) and refused.value.reason == Reason.TOO_MANY_ADAPTERS
     assert sorted(adapter.adapter.name for adapter in (await client.describe()).adapters) == ["second", "served"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_updates_of_two_adapters_at_once_both_apply(
+        client: PolicyClient, served: dict[str, torch.Tensor]) -> None:
+    """Two training runs share a policy server, each pushing its own adapter: a push of one adapter
+    that meets the other's still being received waits its turn instead of being refused."""
+    base = reference_model().model
+    held_spec = LoraSpec(name="second", rank=2, target_modules=("v_proj",))  # "second": already loaded
+    version = next(a.policy_version for a in (await client.describe()).adapters if a.adapter.name == "second") + 1
+    held = adapter_tensors(held_spec, 14, base)
+    header = header_for(held, version, digests=tensor_digests(held))
+    header.adapter.CopyFrom(held_spec.to_proto())
+    release = asyncio.Event()
+
+    async def messages() -> AsyncIterator[policy_pb2.UpdateWeightsRequest]:
+        yield policy_pb2.UpdateWeightsRequest(header=header)
+        await release.wait()  # the server holds this update open, waiting for its data
+        yield policy_pb2.UpdateWeightsRequest(data=b"".join(t.numpy().tobytes() for t in held.values()))
+
+    stub = policy_grpc.PolicyServiceStub(client.channel)
+    held_update = asyncio.ensure_future(stub.UpdateWeights(messages(), timeout=60))
+    await asyncio.sleep(1.0)  # its header is in
+    served_version = next(a.policy_version for a in (await client.describe()).adapters if a.adapter.name == "served")
+    update = adapter_tensors(SERVED, 15, base)
+    other = asyncio.ensure_future(client.push_weights(update, served_version + 1, digests=tensor_digests(update),
+                                                      adapter=SERVED.to_proto(), timeout_s=60))
+    await asyncio.wait([other], timeout=2.0)
+    release.set()
+    assert (await held_update).policy_version == version
+    assert (await other).policy_version == served_version + 1
+    described = {a.adapter.name: a for a in (await client.describe()).adapters}
+    assert described["served"].weights_digest == set_digest(tensor_digests(update))
+    assert described["second"].weights_digest == set_digest(tensor_digests(held))
