@@ -140,7 +140,7 @@ from env_servers.sandbox import Sandbox, SandboxLimits, sandbox_python
 
 async def start_then_die(workspace, delay):
     sandbox = Sandbox(workspace, SandboxLimits(), sys.argv[1])
-    await sandbox.start([sandbox_python(), "-c", "import time; time.sleep(120)"])
+    await sandbox.start([sandbox_python(), "-c", "import time; time.sleep(600)"])
     await asyncio.sleep(delay)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -166,12 +166,15 @@ def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_of_it_running(wor
     def inside(pid: int) -> bool:
         return str(workspace) in _cmdline(pid) or (_cwd(pid) or "").startswith(str(workspace))
 
-    deadline = time.monotonic() + 10
+    # The commands sleep 600 s: one still running 60 s after the last start outlived its server. A SIGKILLed one may
+    # take seconds to go on a loaded machine (the other test worker starting vLLM, say).
+    deadline = time.monotonic() + 60
     while (left := [pid for pid in _pids() if inside(pid) and _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
+    seen = [(pid, _stat(pid), _cmdline(pid)[:300]) for pid in left]
     for pid in left:
         os.kill(pid, 9)
-    assert left == [], f"{len(left)} sandbox processes outlived the process that started them"
+    assert left == [], f"{len(left)} sandbox processes outlived the process that started them: {seen[:5]}"
 
 
 def _cmdline(pid: int) -> str:
@@ -189,6 +192,14 @@ def _cwd(pid: int) -> str | None:
         return os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
+
+
+def _stat(pid: int) -> str:
+    """State, parent pid, process group and session (from /proc/PID/stat), for a failure message."""
+    try:
+        return " ".join(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:4])
+    except OSError:
+        return "gone"
 
 
 def _alive(pid: int) -> bool:
