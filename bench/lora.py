@@ -223,7 +223,8 @@ def bench_gain(seconds: float, rank: int, output: Path, base_report: Path | None
         progress(f"held-out gain, {mode}: bench/real_model.py --seconds {seconds:g} (run {runs_dir / run_name})")
         base = ["--base-report", str(base_report)] if base_report else []
         subprocess.run([sys.executable, str(Path(__file__).with_name("real_model.py")), "--seconds", str(seconds),
-                        "--runs-dir", str(runs_dir), "--run-name", run_name, "--output", str(out), *base, *extra],
+                        "--runs-dir", str(runs_dir), "--run-name", run_name, "--output", str(out), "--curve-every", "0",
+                        *base, *extra],
                        check=True, timeout=seconds * 3 + 3600)
         base_report = base_report or runs_dir / f"{run_name}.base-eval.json"
         report = json.loads(out.read_text())

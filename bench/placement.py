@@ -78,7 +78,7 @@ def main() -> None:
         progress(f"{placement}: bench/real_model.py --seconds {args.seconds:g} --set placement={placement}")
         command = [sys.executable, str(Path(__file__).with_name("real_model.py")), "--config", args.config,
                    "--seconds", str(args.seconds), "--limit", str(args.limit), "--seed", str(args.seed),
-                   "--runs-dir", str(args.runs_dir), "--run-name", name, "--output", str(out),
+                   "--runs-dir", str(args.runs_dir), "--run-name", name, "--output", str(out), "--curve-every", "0",
                    "--set", f"placement={placement}"]
         if base_report is not None:
             command += ["--base-report", str(base_report)]

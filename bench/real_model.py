@@ -6,16 +6,21 @@
    `clients.eval.evaluate`, with the train config's turn and token budgets).
 2. Stops that policy server and runs `sciproto train --config CONFIG` for `--seconds` (a child
    process; its screen goes to `<run dir>.train.out`).
-3. Evaluates the run's final checkpoint the same way (a policy server serving its weights).
+3. Evaluates the run's final checkpoint the same way (a policy server serving its weights), and
+   with `--curve-every N` (default 8) the checkpoints the run saved every N steps too: the
+   learning curve, and the seconds into the run of the first checkpoint 30 points above the base.
+   Each SmolLM2 checkpoint takes about 1.6 GB of disk and a few seconds of the run to write.
 
 Output JSON: {"base": {"pass@1", "low", "high", ...}, "trained": {...}, "gain_points": ...,
 "gain_beyond_intervals": trained.low > base.high, "gain_points_per_100_groups" (the gain over the
-groups the run generated), "train": {steps, seconds, groups_generated, generation tokens/s over the
-run, while generating and alone before it (the run's calibration), training tokens/s, ...}, "seed",
-...}; the ratio is trained over base pass@1. Greedy decoding makes both evaluations deterministic
+groups the run generated), "curve": [{step, seconds, groups_consumed, pass@1, low, high, gain_points}]
+(every checkpoint, the last one the trained model), "seconds_to_gain_30" (the first checkpoint's
+time at or past +30 points; null if none was), "train": {steps, seconds, groups_generated,
+generation tokens/s over the run, while generating and alone before it (the run's calibration),
+training tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding makes both evaluations deterministic
 for given weights; the training run is seeded (`learner.grpo.seed`, `rollout.sampling.seed`) but its
 timing on a shared machine is not, so two runs differ.
-Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100]
+Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100] [--curve-every 8]
        [--eval-tasks ENV:SPLIT] [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
 """
 
@@ -40,7 +45,7 @@ from clients.eval import (
 )
 from clients.train import load_train_config
 from sciproto.processes import sciproto_command, start_server
-from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics
+from sciproto.rundir import MANIFEST_FILE, METRICS_FILE, SUMMARY_FILE, checkpoints_dir, read_metrics
 
 
 def held_out_tasks(train_tasks: str) -> str:
@@ -100,8 +105,26 @@ def train_figures(run_dir: Path) -> dict:
             "checkpoint": summary.get("checkpoint"), "run_dir": str(run_dir)}
 
 
-def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, seed: int, overrides: list[str]) -> Path:
+def learning_curve(run_dir: Path, base: dict, evaluated: list[tuple[Path, dict]]) -> list[dict]:
+    """Each evaluated checkpoint's step, its time into the run and the groups trained by then (from
+    the run's metrics), and its held-out pass@1 and gain over `base` (`summary_of` each), in step order."""
+    metrics = {m["step"]: m for m in read_metrics(run_dir / METRICS_FILE)}
+    steps = {s["step"]: s for s in json.loads((run_dir / SUMMARY_FILE).read_text()).get("steps", [])}
+    points = []
+    for checkpoint, figures in evaluated:
+        step = int(json.loads((checkpoint / MANIFEST_FILE).read_text())["step"])
+        points.append({"step": step, "seconds": round(steps[step]["seconds"], 1) if step in steps else None,
+                       "groups_consumed": sum(m.get("groups_consumed") or 0 for s, m in metrics.items() if s <= step),
+                       "pass@1": figures["pass@1"], "low": figures["low"], "high": figures["high"],
+                       "gain_points": round(100 * (figures["pass@1"] - base["pass@1"]), 1)})
+    return sorted(points, key=lambda point: point["step"])
+
+
+def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, seed: int, overrides: list[str],
+                 curve_every: int = 0) -> Path:
     run_dir = runs_dir / run_name
+    if curve_every:  # before the caller's overrides, which may set it otherwise
+        overrides = [f"learner.checkpoint_every={curve_every}", *overrides]
     command = sciproto_command("train", "--config", config, "--set", f"run.name={run_name}",
                                "--set", f"run.dir={runs_dir}", "--set", f"budget.max_seconds={seconds}",
                                "--set", f"learner.grpo.seed={seed}", "--set", f"rollout.sampling.seed={seed}",
@@ -128,13 +151,20 @@ async def main_async(args: argparse.Namespace) -> dict:
             base = await evaluate_base(env.target, config, args.limit, tasks, out_dir / f"{run_name}.base-eval.json")
             (out_dir / f"{run_name}.base-eval.json").write_text(base.model_dump_json(by_alias=True, indent=2))
         run_dir = await asyncio.to_thread(run_training, args.config, args.seconds, run_name, out_dir, args.seed,
-                                          args.overrides)
+                                          args.overrides, args.curve_every)
         figures = train_figures(run_dir)
         trained = None
+        earlier: list[tuple[Path, EvalReport]] = []
         if figures["checkpoint"]:  # a run that took no optimizer step saves none: nothing to compare
             trained = await evaluate_checkpoint(env.target, Path(figures["checkpoint"]), config, args.limit, tasks,
                                                 out_dir / f"{run_name}.trained-eval.json")
             (out_dir / f"{run_name}.trained-eval.json").write_text(trained.model_dump_json(by_alias=True, indent=2))
+            for checkpoint in sorted(checkpoints_dir(run_dir).glob("step_*")):
+                if checkpoint != Path(figures["checkpoint"]) and (checkpoint / MANIFEST_FILE).is_file():
+                    output = out_dir / f"{run_name}.{checkpoint.name}-eval.json"
+                    report = await evaluate_checkpoint(env.target, checkpoint, config, args.limit, tasks, output)
+                    output.write_text(report.model_dump_json(by_alias=True, indent=2))
+                    earlier.append((checkpoint, report))
     finally:
         await asyncio.to_thread(env.stop, 30)
     before = summary_of(base)
@@ -144,9 +174,13 @@ async def main_async(args: argparse.Namespace) -> dict:
                 "note": "the run took no optimizer step (no checkpoint): the trained model is the base model",
                 "train": figures}
     after = summary_of(trained)
+    curve = learning_curve(run_dir, before, [(checkpoint, summary_of(report)) for checkpoint, report in
+                                             [*earlier, (Path(figures["checkpoint"]), trained)]])
     return {"config": args.config, "eval_tasks": f"{tasks} (first {args.limit}, greedy)", "seed": args.seed,
             "train_budget_s": args.seconds, "base": before, "trained": after,
             "gain_points": round(100 * (after["pass@1"] - before["pass@1"]), 1),
+            "curve": curve,
+            "seconds_to_gain_30": next((point["seconds"] for point in curve if point["gain_points"] >= 30), None),
             "gain_points_per_100_groups": (round(100 * 100 * (after["pass@1"] - before["pass@1"])
                                                  / figures["groups_generated"], 2)
                                            if figures.get("groups_generated") else None),
@@ -166,6 +200,8 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
     parser.add_argument("--run-name", default=None)
     parser.add_argument("--base-report", type=Path, default=None, help="Reuse this base evaluation (JSON)")
+    parser.add_argument("--curve-every", type=int, default=8,
+                        help="Checkpoint every N steps and evaluate each (the learning curve); 0: the last only")
     parser.add_argument("--output", type=Path, default=None, help="Also write the JSON here")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="Train config override")
     args = parser.parse_args()

@@ -72,3 +72,24 @@ def test_the_tool_use_bench_compares_the_checkpoints_task_by_task(tmp_path: Path
         (tmp_path / f"{name}.jsonl").write_text("".join(
             json.dumps(r | {"reward": solved if r["index"] < 16 else 1.0}) + "\n" for r in records))
     assert bench.paired(tmp_path / "none.jsonl", tmp_path / "all.jsonl")["p"] == pytest.approx(3.05e-5, rel=1e-2)
+
+
+def test_the_real_model_bench_reads_its_learning_curve_from_the_checkpoints(tmp_path: Path) -> None:
+    # A run that checkpointed at steps 2 and 4 (the last): each point takes its time and the groups
+    # trained by then from the run's own files, and its gain from the evaluation given for it.
+    bench = load_bench("real_model")
+    run = tmp_path / "run"
+    steps = [{"step": n, "seconds": 40.0 * n} for n in (1, 2, 3, 4)]
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"steps": steps}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "groups_consumed": 4 + n}) + "\n"
+                                               for n in (1, 2, 3, 4)))
+    for step in (2, 4):
+        (run / "checkpoints" / f"step_{step:08d}").mkdir()
+        (run / "checkpoints" / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"step": step}))
+    base = {"pass@1": 0.24}
+    evaluated = [(run / "checkpoints" / f"step_{step:08d}", {"pass@1": value, "low": value - 0.1, "high": value + 0.1})
+                 for step, value in ((4, 0.62), (2, 0.41))]
+    curve = bench.learning_curve(run, base, evaluated)
+    assert [(p["step"], p["seconds"], p["groups_consumed"], p["gain_points"]) for p in curve] == [
+        (2, 80.0, 11, 17.0), (4, 160.0, 26, 38.0)]
