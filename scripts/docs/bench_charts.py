@@ -89,7 +89,26 @@ def train(run: dict, out: Path) -> Path:
     return _save(figure, "train", out)
 
 
-CHARTS = {"env_step": env_step, "real_model": real_model, "gateway_overhead": gateway, "train": train}
+def learning_curve(run: dict, out: Path) -> Path:
+    figure, axis = plt.subplots(figsize=(6.4, 2.8))
+    base = run["base"]
+    axis.axhspan(base[1], base[2], color=GREY, alpha=0.25, linewidth=0)
+    axis.axhline(base[0], color=GREY, linestyle="--", linewidth=1, label="base model")
+    for (name, points), colour in zip(run["curves"].items(), (TEAL, INDIGO)):
+        seconds = [0] + [p[0] for p in points]
+        centres = [base[0]] + [p[1] for p in points]
+        axis.plot(seconds, centres, marker="o", markersize=3, color=colour, label=name)
+        axis.fill_between([p[0] for p in points], [p[2] for p in points], [p[3] for p in points],
+                          color=colour, alpha=0.15, linewidth=0)
+    axis.set_ylim(0, 1)
+    axis.set_xlabel("seconds of training (SmolLM2-135M, GRPO on a CPU)")
+    axis.set_ylabel("held-out pass@1")
+    axis.legend(loc="upper left", frameon=False)
+    return _save(figure, "learning-curve", out)
+
+
+CHARTS = {"env_step": env_step, "real_model": real_model, "gateway_overhead": gateway, "train": train,
+          "learning_curve": learning_curve}
 
 
 def draw(out: Path = OUT) -> list[Path]:
