@@ -17,9 +17,10 @@ groups the run generated), "curve": [{step, seconds, groups_consumed, pass@1, lo
 (every checkpoint, the last one the trained model), "seconds_to_gain_30" (the first checkpoint's
 time at or past +30 points; null if none was), "train": {steps, seconds, groups_generated,
 generation tokens/s over the run, while generating and alone before it (the run's calibration),
-training tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding makes both evaluations deterministic
-for given weights; the training run is seeded (`learner.grpo.seed`, `rollout.sampling.seed`) but its
-timing on a shared machine is not, so two runs differ.
+training tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding
+makes both evaluations deterministic for given weights; the training run is seeded
+(`learner.grpo.seed`, `rollout.sampling.seed`) but its timing on a shared machine is not, so two
+runs differ.
 Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100] [--curve-every 8]
        [--eval-tasks ENV:SPLIT] [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
 """

@@ -338,13 +338,16 @@ async def test_updates_of_two_adapters_at_once_both_apply(
 
     stub = policy_grpc.PolicyServiceStub(client.channel)
     held_update = asyncio.ensure_future(stub.UpdateWeights(messages(), timeout=60))
-    await asyncio.sleep(1.0)  # its header is in
-    served_version = next(a.policy_version for a in (await client.describe()).adapters if a.adapter.name == "served")
-    update = adapter_tensors(SERVED, 15, base)
-    other = asyncio.ensure_future(client.push_weights(update, served_version + 1, digests=tensor_digests(update),
-                                                      adapter=SERVED.to_proto(), timeout_s=60))
-    await asyncio.wait([other], timeout=2.0)
-    release.set()
+    try:
+        await asyncio.sleep(1.0)  # its header is in
+        served_version = next(a.policy_version for a in (await client.describe()).adapters
+                              if a.adapter.name == "served")
+        update = adapter_tensors(SERVED, 15, base)
+        other = asyncio.ensure_future(client.push_weights(update, served_version + 1, digests=tensor_digests(update),
+                                                          adapter=SERVED.to_proto(), timeout_s=60))
+        await asyncio.wait([other], timeout=2.0)
+    finally:
+        release.set()  # never leave the held update open on the module's server
     assert (await held_update).policy_version == version
     assert (await other).policy_version == served_version + 1
     described = {a.adapter.name: a for a in (await client.describe()).adapters}
