@@ -48,6 +48,11 @@ class GRPOConfig(BaseModel):
     # A prefix shared by every sequence of a micro-batch (the group's prompt) runs once when it
     # is at least this many tokens long; 0 runs every sequence in full. See learner/prefix.py.
     shared_prefix_min_tokens: int = Field(default=16, ge=0)
+    # Run the rows of a micro-batch without their right padding, as one packed row with a
+    # block-causal mask (learner/prefix.py), where that saves at least a tenth of its positions,
+    # and skip the logits of an untrained shared prompt. Same loss and gradient up to float
+    # rounding; transformers models under SDPA attention only (others run padded). Off: padded.
+    skip_padding: bool = True
     # Upper bound of token positions in one forward/backward pass: sequences x padded length, with
     # a shared prefix (above) counted once.
     micro_batch_tokens: int = Field(default=4096, gt=0)

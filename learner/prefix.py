@@ -11,6 +11,19 @@ and only the suffixes run batched:
 Positions and causal attention are those of the full forward, so the logits are the same (up to
 float rounding); gradients reach the prefix through both its logits and its cache. Cost per
 micro-batch: P + B (T - P) token positions instead of B T.
+
+Rows of different lengths are right-padded to the longest (MicroBatch), and a padded position costs
+what a real one does. With `packed`, the rows after the prefix run as one row instead, each
+attending to the prefix and causally to itself only, at its own positions:
+
+    ids'        = ids[0, P:P+L_0] ++ ids[1, P:P+L_1] ++ ...        [1, S], S = sum_i L_i
+    position'   = P + j for the j-th token of each row
+    mask'[k,k'] = k' < P  or  (row(k) = row(k') and j(k') <= j(k))  (k' over the cache and ids')
+
+so the logits of every real token are those of the padded pass, and the S + P positions replace
+P + B (T - P); the log-probabilities go back to their [B, T-1] places, padding as 0. Positions
+the loss does not train need no logits: when nothing in the prefix is trained (a group's prompt)
+the prefix pass keeps only its last position's, which predicts each row's first suffix token.
 """
 
 from __future__ import annotations
@@ -19,10 +32,12 @@ import functools
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from learner.grpo import MicroBatch, token_logprobs_and_entropy
+from learner.grpo import MicroBatch, token_logprobs_and_entropy, untruncated
+from learner.logprobs import token_logprobs
 
 
 def shared_prefix_length(batch: MicroBatch) -> int:
@@ -62,31 +77,91 @@ def usable_shared_prefix(model: nn.Module, batch: MicroBatch, min_shared_prefix:
     return shared if shared >= min_shared_prefix else 0
 
 
+# Pack the rows after the prefix when that saves at least this share of the padded positions: the
+# packed row's attention spans every row's tokens (most of them masked), so a little padding is
+# cheaper than the wider attention.
+PACK_MIN_SAVING = 0.1
+
+
+def _pack_worth_it(batch: MicroBatch, start: int) -> bool:
+    rows, length = batch.input_ids.shape
+    padded = rows * (length - start)
+    real = int(batch.attention_mask.sum()) - rows * start
+    return rows > 1 and padded - real >= PACK_MIN_SAVING * padded
+
+
+def _packed_logprobs_and_entropy(model: nn.Module, batch: MicroBatch, start: int, cache: object | None,
+                                 argument: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi and the entropy of the tokens each row's positions start.. predict, [B, T-start-1],
+    with those positions of every row run as one packed row (module docstring) over `cache`, the
+    prefix's key/value cache (None when start is 0)."""
+    ids = batch.input_ids
+    rows, length = ids.shape
+    lengths = batch.attention_mask.sum(dim=1) - start  # [B] positions of each row from `start`
+    row = torch.repeat_interleave(torch.arange(rows, device=ids.device), lengths)  # [S]
+    first = torch.cumsum(lengths, 0) - lengths
+    offset = torch.arange(row.numel(), device=ids.device) - first[row]  # j: place within its row
+    position = start + offset
+    own = (row[:, None] == row[None, :]) & (offset[None, :] <= offset[:, None])  # [S, S]
+    allowed = torch.cat([own.new_ones(row.numel(), start), own], dim=1)  # True: attends (SDPA's bool mask)
+    kwargs = {argument: cache, "use_cache": True} if cache is not None else {}
+    logits = _logits_of(model(input_ids=ids[row, position][None], attention_mask=allowed[None, None],
+                              position_ids=position[None], **kwargs))
+    # Position p of a row predicts ids[p + 1]; a row's last position predicts padding (or nothing:
+    # one pad column and one untruncated sampling row past the end keep the indices in range).
+    targets = F.pad(ids, (0, 1))[row, position + 1]
+    sampling = torch.cat([batch.sampling, untruncated(1, 1.0).to(batch.sampling).expand(rows, 1, 3)], dim=1)[row, position]
+    top_p, top_k = sampling[:, 1], sampling[:, 2].long()
+    truncated = bool(((top_p < 1) | (top_k > 0)).any())
+    chosen, entropy = token_logprobs(logits, targets[None], sampling[None, :, 0].contiguous(),
+                                     top_p=top_p[None] if truncated else None, top_k=top_k[None] if truncated else None)
+    placed = []
+    for values in (chosen, entropy):
+        out = values.new_zeros(rows, length - start).index_put((row, offset), values[0])
+        placed.append(out[:, :length - start - 1])
+    return placed[0], placed[1]
+
+
 def sequence_logprobs_and_entropy(
-    model: nn.Module, batch: MicroBatch, shared: int
+    model: nn.Module, batch: MicroBatch, shared: int, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | y_<t) and the entropy for t >= 1, [B, T-1] each, as `token_logprobs_and_entropy`
     of the full forward under each token's sampling (`batch.sampling`); the first `shared` tokens
-    (0: none, see `usable_shared_prefix`), common to every row, run once."""
+    (0: none, see `usable_shared_prefix`), common to every row, run once. `packed` (a transformers
+    causal LM only): the rows' padding is not run where that saves enough (module docstring);
+    positions not trained (`batch.loss_mask` 0) may then read 0."""
     ids = batch.input_ids
     sampling = batch.sampling
+    # a custom 4D mask is SDPA's (a bool mask, True where a position attends); other attention
+    # implementations run padded
+    packed = packed and isinstance(model, PreTrainedModel) and model.config._attn_implementation == "sdpa"
+    argument = _cache_argument(type(model))
     if shared == 0:
+        if packed and _pack_worth_it(batch, 0):
+            return _packed_logprobs_and_entropy(model, batch, 0, None, argument)
         logits = _logits_of(model(input_ids=ids, attention_mask=batch.attention_mask))
         return token_logprobs_and_entropy(logits, ids, sampling=sampling)
     rows = ids.shape[0]
-    argument = _cache_argument(type(model))
-    prefix = model(input_ids=ids[:1, :shared], use_cache=True)
+    # The prefix's own tokens ids[1:P] are predicted by its logits; when none of them is trained
+    # only the last position's logits are needed (it predicts ids[P]).
+    head_trained = not packed or bool(batch.loss_mask[:, :shared - 1].any())
+    prefix = model(input_ids=ids[:1, :shared], use_cache=True, **({} if head_trained else {"logits_to_keep": 1}))
     cache = prefix[argument]
-    cache.batch_repeat_interleave(rows)
-    # The mask covers cached and new positions; right padding keeps positions P.. for every row.
-    suffix = model(input_ids=ids[:, shared:], attention_mask=batch.attention_mask, use_cache=True,
-                   **{argument: cache}).logits
-    # Three spans of predicted tokens, so the prefix's softmax over the vocabulary runs once:
-    # ids[1:P] from the prefix logits (shared by all rows), ids[P] from the prefix's last logits
-    # (one token per row), ids[P+1:] from the suffix logits.
-    head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared], sampling=sampling[:1, :shared - 1])
-    edge = token_logprobs_and_entropy(torch.cat([prefix.logits[:, -1:].expand(rows, -1, -1), suffix[:, :1]], dim=1),
-                                      ids[:, shared - 1:shared + 1], sampling=sampling[:, shared - 1:shared])
-    tail = token_logprobs_and_entropy(suffix, ids[:, shared:], sampling=sampling[:, shared:])
+    if head_trained:
+        head = token_logprobs_and_entropy(prefix.logits, ids[:1, :shared], sampling=sampling[:1, :shared - 1])
+    else:
+        zeros = torch.zeros(1, shared - 1, device=ids.device)
+        head = (zeros, zeros)
+    # ids[P] from the prefix's last logits (one token per row)
+    edge = token_logprobs_and_entropy(prefix.logits[:, -1:].expand(rows, -1, -1), ids[:, shared - 1:shared + 1],
+                                      sampling=sampling[:, shared - 1:shared])
+    if packed and _pack_worth_it(batch, shared):
+        tail = _packed_logprobs_and_entropy(model, batch, shared, cache, argument)
+    else:
+        cache.batch_repeat_interleave(rows)
+        # The mask covers cached and new positions; right padding keeps positions P.. for every row.
+        suffix = model(input_ids=ids[:, shared:], attention_mask=batch.attention_mask, use_cache=True,
+                       **{argument: cache}).logits
+        tail = token_logprobs_and_entropy(suffix, ids[:, shared:], sampling=sampling[:, shared:])
     return tuple(  # type: ignore[return-value]
         torch.cat([h.expand(rows, -1), e, t], dim=1) for h, e, t in zip(head, edge, tail, strict=True))

@@ -1,4 +1,5 @@
-"""The shared-prefix forward: same logits, loss and gradient as running every sequence in full."""
+"""The shared-prefix forward and the rows run without their padding: same logits, loss and gradient
+as running every sequence in full."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 import torch
-from learner_fixtures import VOCAB, make_group, tiny_model, with_shared_prompt
+from learner_fixtures import VOCAB, make_group, make_sample, tiny_model, with_shared_prompt
 
 from learner.config import GRPOConfig
 from learner.grpo import TrainSequence, micro_batch_positions, pad_right, split_micro_batches
@@ -97,3 +98,91 @@ def test_packing_keeps_each_group_on_its_own_prompt_when_that_costs_fewer_positi
     # Sequences of no group (demonstrations) still pack together up to the budget.
     singles = [sequence(system + [rng.randrange(VOCAB) for _ in range(n)]) for n in (300, 200, 250, 400)]
     assert [len(b) for b in split_micro_batches(singles, 4096, min_shared_prefix=16)] == [4]
+
+
+def positions_run(model: torch.nn.Module) -> list[int]:
+    """Token positions of each call of the model's decoder, recorded as the calls happen."""
+    calls: list[int] = []
+    model.model.register_forward_pre_hook(lambda _module, _args, kwargs: calls.append(kwargs["input_ids"].numel()),
+                                          with_kwargs=True)
+    return calls
+
+
+def sampled(ids: list[int], prompt: int, top_p: float, top_k: int) -> TrainSequence:
+    """A sample of `prompt` untrained tokens, then trained ones drawn at T 0.7 under top_p / top_k."""
+    sampling = torch.tensor([[0.7, top_p, float(top_k)]]).repeat(len(ids), 1)
+    return TrainSequence(token_ids=torch.tensor(ids), loss_mask=torch.tensor([0.0] * prompt + [1.0] * (len(ids) - prompt)),
+                         rollout_logprobs=torch.zeros(len(ids)), advantage=0.0, sampling=sampling)
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["untruncated", "top-p-and-top-k"])
+@pytest.mark.parametrize("min_shared", [0, 16], ids=["in-full", "shared-prompt"])
+def test_rows_run_without_their_padding_give_the_padded_passs_logprobs(
+        rng: random.Random, min_shared: int, truncated: bool) -> None:
+    """Eight samples of one 40-token prompt with 3-30 tokens of their own: packed, the model runs
+    only their real positions (the prompt once when it is shared) and every trained token gets
+    the log-probability and entropy of the padded pass."""
+    model = tiny_model()
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    lengths = [3, 30, 7, 12, 5, 21, 9, 4]
+    top_p, top_k = (0.8, 50) if truncated else (1.0, 0)
+    batch = pad_right([sampled(prompt + [rng.randrange(VOCAB) for _ in range(n)], 40, top_p, top_k) for n in lengths])
+    shared = usable_shared_prefix(model, batch, min_shared)
+    assert shared == (40 if min_shared else 0)
+    calls = positions_run(model)
+    with torch.no_grad():
+        padded = sequence_logprobs_and_entropy(model, batch, shared)
+        padded_calls = list(calls)
+        calls.clear()
+        packed = sequence_logprobs_and_entropy(model, batch, shared, packed=True)
+    real = sum(lengths) + (40 if shared else 40 * len(lengths))
+    assert sum(calls) == real < sum(padded_calls), (calls, padded_calls)
+    trained = batch.loss_mask.bool()
+    for name, want, got in zip(("logprobs", "entropy"), padded, packed, strict=True):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got[trained], want[trained], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_trained_shared_prefix_keeps_its_logits(rng: random.Random) -> None:
+    """Rows that share trained tokens (a step group's earlier turns) still get their log-probability
+    from the prefix's logits when the padding is skipped; an untrained prompt's logits are not
+    computed."""
+    model = tiny_model()
+    shared_ids = [rng.randrange(VOCAB) for _ in range(30)]
+    rows = [sequence(shared_ids + [rng.randrange(VOCAB) for _ in range(n)]) for n in (2, 9, 4, 15)]  # all trained
+    batch = pad_right(rows)
+    with torch.no_grad():
+        padded = sequence_logprobs_and_entropy(model, batch, 30)
+        packed = sequence_logprobs_and_entropy(model, batch, 30, packed=True)
+    trained = batch.loss_mask.bool()
+    assert bool(trained[:, :29].all())
+    for want, got in zip(padded, packed, strict=True):
+        torch.testing.assert_close(got[trained], want[trained], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("min_shared", [0, 16], ids=["in-full", "shared-prompt"])
+def test_a_training_step_without_padding_has_the_same_loss_and_gradient(
+        rng: random.Random, kl_coef: float, min_shared: int) -> None:
+    """Two groups on 40-token prompts, their samples 2-30 tokens long: the same step with the
+    padding skipped runs fewer positions."""
+    groups = []
+    for name in ("a", "b"):
+        prompt = [rng.randrange(VOCAB) for _ in range(40)]
+        samples = [make_sample(rng, float(i % 3 == 0), completion_len=n, index=i)
+                   for i, n in enumerate((2, 30, 6, 14, 3, 25))]
+        groups.append(with_shared_prompt(RolloutGroup(group_id=name, task="toy", samples=samples), prompt))
+    trainers = {
+        skip: GRPOTrainer(tiny_model(), GRPOConfig(shared_prefix_min_tokens=min_shared, kl_coef=kl_coef, skip_padding=skip))
+        for skip in (False, True)
+    }
+    calls = {skip: positions_run(trainer.model) for skip, trainer in trainers.items()}
+    metrics = {skip: trainer.train_step(groups) for skip, trainer in trainers.items()}
+    assert sum(calls[True]) < sum(calls[False])
+    assert metrics[True].loss == pytest.approx(metrics[False].loss, rel=1e-5, abs=1e-7)
+    assert metrics[True].grad_norm == pytest.approx(metrics[False].grad_norm, rel=1e-4)
+    assert metrics[True].entropy == pytest.approx(metrics[False].entropy, rel=1e-5)
+    padded_grads = dict(trainers[False].model.named_parameters())
+    for name, parameter in trainers[True].model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(parameter.grad, padded_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
