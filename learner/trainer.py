@@ -194,6 +194,7 @@ class GRPOTrainer:
             lr=config.lr,
             betas=config.adam_betas,
             weight_decay=config.weight_decay,
+            fused=_fused_adamw(self.trainable),
         )
         self.step = 0
         self.policy_version = 0
@@ -407,7 +408,8 @@ class GRPOTrainer:
             for index, (batch, shared) in enumerate(micro):
                 self._next_micro_batch()
                 with self.compute():
-                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared)
+                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, batch, shared,
+                                                                      packed=config.skip_padding)
                 old = logprobs.detach() if part_old is None else part_old[index]
                 ref_logprobs = self._reference_logprobs(batch, shared)
                 # This micro-batch's share of L_k: -(1/N_k) sum_t J_t over its tokens.
@@ -456,7 +458,7 @@ class GRPOTrainer:
 
     def _logprobs_no_grad(self, model: nn.Module, micro: list[tuple[MicroBatch, int]]) -> list[torch.Tensor]:
         with torch.no_grad(), self.compute():
-            return [sequence_logprobs_and_entropy(model, batch, shared)[0]
+            return [sequence_logprobs_and_entropy(model, batch, shared, packed=self.config.skip_padding)[0]
                     for batch, shared in micro]
 
     def _empty_sequence(self) -> TrainSequence:
@@ -507,6 +509,15 @@ class GRPOTrainer:
                 converted[key] = tensor.to(self.push_dtype)
             result[name] = converted[key]
         return result
+
+
+def _fused_adamw(parameters: list[nn.Parameter]) -> bool | None:
+    """AdamW's fused kernel, one pass over each tensor (about 6x the default per-tensor loop for
+    SmolLM2 on one CPU thread: 0.10 against 0.65 s a step), where it runs: plain fp32 tensors on
+    the CPU or a CUDA GPU (not FSDP2's sharded DTensors). None: torch's default."""
+    plain = all(type(p) is nn.Parameter and p.dtype == torch.float32 and p.device.type in ("cpu", "cuda")
+                for p in parameters)
+    return True if parameters and plain else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

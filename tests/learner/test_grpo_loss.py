@@ -159,6 +159,25 @@ def test_trainer_loss_matches_hand_computation_on_a_model(groups: list[RolloutGr
     assert metrics.policy_version == 1
 
 
+def test_adamw_runs_its_fused_kernel_on_cpu_weights_and_moves_them_as_the_default_does(
+        groups: list[RolloutGroup]) -> None:
+    config = GRPOConfig(lr=1e-3)
+    fused = GRPOTrainer(tiny_model(), config)
+    assert fused.optimizer.defaults["fused"] is True
+    default = GRPOTrainer(tiny_model(), config)
+    default.optimizer = torch.optim.AdamW(default.trainable, lr=config.lr, betas=config.adam_betas,
+                                          weight_decay=config.weight_decay)
+    for _ in range(2):
+        fused.train_step(groups)
+        default.train_step(groups)
+    moved = 0
+    for (name, got), want, start in zip(fused.model.named_parameters(), default.model.parameters(),
+                                        tiny_model().parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+        moved += int(not torch.equal(got, start))
+    assert moved > 0
+
+
 def _loss_and_grads(groups: list[RolloutGroup], **config) -> tuple[float, list[torch.Tensor]]:
     trainer = GRPOTrainer(tiny_model(), GRPOConfig(max_grad_norm=1e9, **config))
     metrics = trainer.train_step(groups)
