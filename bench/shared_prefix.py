@@ -1,14 +1,20 @@
-"""GRPO training step with the group's shared prompt run once vs every sequence in full; prints JSON.
+"""GRPO training step with the group's shared prompt run once, and its rows' padding skipped, vs
+every sequence in full; prints JSON.
 
-Workload shaped like agent RL on GSM8K: G groups of S samples, each group sharing a long prompt
-(system prompt, tool specs, question) followed by completions of different lengths. The same
-trainer code runs with `shared_prefix_min_tokens` 16 (shared) and 0 (baseline, every sequence in
-full), alternating in this process from the same starting weights; each figure is the median of
-the timed steps after one warm-up step. Also reports the loss of the first step of each, which
-must agree.
-Output: {"full": {...}, "shared": {...}, "speedup_shared_over_full": ...}.
-Usage: python bench/shared_prefix.py [--prompt 600] [--groups 2] [--samples 8] [--steps 3]
-       [--model tiny|smollm2] [--micro-batch-tokens 4096]
+Workload shaped like agent RL on GSM8K: G groups of S samples, each group sharing a prompt (system
+prompt, tool specs, question) followed by completions of different lengths (uniform in
+--completion MIN MAX). The same trainer code runs three ways, alternating in this process from the
+same starting weights:
+  - full:     `shared_prefix_min_tokens` 0, `skip_padding` off: every sequence in full, padded;
+  - shared:   the prompt once (16), the rows after it padded to the longest;
+  - unpadded: the prompt once, the rows after it packed into one row without padding (the
+              default, learner/prefix.py).
+Each figure is the median of the timed steps after one warm-up step. Also reports the loss of the
+first step of each, which must agree.
+Output: {"full": {...}, "shared": {...}, "unpadded": {...}, "speedup_shared_over_full": ...,
+         "speedup_unpadded_over_shared": ...}.
+Usage: python bench/shared_prefix.py [--prompt 600] [--completion 60 200] [--groups 2] [--samples 8]
+       [--steps 3] [--model tiny|smollm2] [--micro-batch-tokens 4096] [--threads N]
 """
 
 from __future__ import annotations
@@ -19,20 +25,25 @@ import random
 import statistics
 import time
 
+import torch
+
 from learner.config import GRPOConfig
 from learner.trainer import GRPOTrainer
 from learner.types import RolloutGroup, TrainSample
 from sciproto.models import load_model
 
+MODES = {"full": (0, False), "shared": (16, False), "unpadded": (16, True)}  # (shared_prefix_min_tokens, skip_padding)
 
-def groups_with_shared_prompts(vocab: int, prompt: int, groups: int, samples: int, seed: int = 0) -> list[RolloutGroup]:
+
+def groups_with_shared_prompts(vocab: int, prompt: int, groups: int, samples: int, seed: int = 0,
+                               completion: tuple[int, int] = (60, 200)) -> list[RolloutGroup]:
     rng = random.Random(seed)
     made = []
     for group in range(groups):
         shared = [rng.randrange(vocab) for _ in range(prompt)]
         members = []
         for index in range(samples):
-            completion = rng.randrange(60, 200)
+            completion = rng.randint(*completion)
             members.append(TrainSample(
                 token_ids=shared + [rng.randrange(vocab) for _ in range(completion)],
                 loss_mask=[0] * prompt + [1] * completion,
@@ -47,20 +58,27 @@ def groups_with_shared_prompts(vocab: int, prompt: int, groups: int, samples: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=600, help="shared prompt tokens per group")
+    parser.add_argument("--completion", type=int, nargs=2, default=(60, 200), metavar=("MIN", "MAX"),
+                        help="completion tokens per sample, uniform in [MIN, MAX]")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up")
     parser.add_argument("--model", default="tiny", help="a policy_server model name (tiny, smollm2)")
     parser.add_argument("--micro-batch-tokens", type=int, default=GRPOConfig().micro_batch_tokens)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    loaded = {mode: load_model(args.model, seed=0) for mode in ("full", "shared")}  # same weights
-    batch = groups_with_shared_prompts(len(loaded["full"].tokenizer), args.prompt, args.groups, args.samples)
-    # A negligible lr keeps the weights, so every step of both modes does the same work.
+    loaded = {mode: load_model(args.model, seed=0) for mode in MODES}  # same weights
+    batch = groups_with_shared_prompts(len(loaded["full"].tokenizer), args.prompt, args.groups, args.samples,
+                                       completion=tuple(args.completion))
+    # A negligible lr keeps the weights, so every step of every mode does the same work.
     trainers = {
-        mode: GRPOTrainer(loaded[mode].model.requires_grad_(True), GRPOConfig(shared_prefix_min_tokens=minimum, lr=1e-12,
-                                                         micro_batch_tokens=args.micro_batch_tokens))
-        for mode, minimum in (("full", 0), ("shared", 16))
+        mode: GRPOTrainer(loaded[mode].model.requires_grad_(True),
+                          GRPOConfig(shared_prefix_min_tokens=minimum, skip_padding=skip, lr=1e-12,
+                                     micro_batch_tokens=args.micro_batch_tokens))
+        for mode, (minimum, skip) in MODES.items()
     }
     times: dict[str, list[float]] = {mode: [] for mode in trainers}
     first_loss: dict[str, float] = {}
@@ -81,8 +99,11 @@ def main() -> None:
     }
     result["speedup_shared_over_full"] = round(
         result["full"]["seconds_per_step"] / result["shared"]["seconds_per_step"], 2)
-    result["workload"] = {"model": args.model, "prompt_tokens": args.prompt, "groups": args.groups,
-                          "samples": args.samples, "tokens_per_step": tokens}
+    result["speedup_unpadded_over_shared"] = round(
+        result["shared"]["seconds_per_step"] / result["unpadded"]["seconds_per_step"], 2)
+    result["workload"] = {"model": args.model, "prompt_tokens": args.prompt, "completion_tokens": list(args.completion),
+                          "groups": args.groups, "samples": args.samples, "tokens_per_step": tokens,
+                          "threads": torch.get_num_threads()}
     print(json.dumps(result, indent=2))
 
 
