@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from learner import lora
+from learner import lora_limits
 from learner.metrics import MetricsLogger
 from learner.ranks import LeaderGone, RankEnv, Ranks, RanksFailed, follow, join
 from learner.server_config import LearnerServerConfig
@@ -137,7 +137,7 @@ async def start(
     once (stopping the server saves the final checkpoint). `serve` waits for a signal around it; a
     cluster engine's actor calls it directly. On a rank other than 0: the follower."""
     rank_env = RankEnv.from_environ()
-    lora.refuse_unsupported(config.lora, world_size=rank_env.world_size)  # before the ranks wait for each other
+    lora_limits.refuse_unsupported(config.lora, world_size=rank_env.world_size)  # before the ranks wait for each other
     store = await asyncio.to_thread(join, rank_env)
     trainer, model_name = build_trainer(config)
     if rank_env.rank > 0:

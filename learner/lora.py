@@ -9,7 +9,7 @@ replaced in place), so everything that reads a transformers model (the shared-pr
 input embeddings) works as with full weights; the PEFT wrapper names the adapter's tensors as the
 wire carries them (`sciproto.lora`) and switches the adapter off for the KL reference.
 
-What does not combine with LoRA here is refused in one line (`refusal`): FSDP2 (several learner
+What does not combine with LoRA here is refused in one line (learner/lora_limits.py): FSDP2 (several learner
 ranks), the fp8 precisions (their linears and PEFT's would wrap each other), and the collective
 push transports (adapters travel as UpdateWeights chunks). PEFT is imported when an adapter is
 built, so that reading a learner config does not load it.
@@ -28,23 +28,6 @@ from sciproto.client.policy import distinct_tensors
 from sciproto.config import ConfigError
 from sciproto.lora import LoraSpec
 from sciproto.weights.wire import set_digest, tensor_digests
-
-
-def refusal(spec: LoraSpec | None, *, precision: str = "fp32", push_transport: str = "grpc",
-            world_size: int = 1) -> str | None:
-    """Why `spec` cannot train with these settings (one line), or None when it can."""
-    if spec is None:
-        return None
-    if precision in ("fp8", "fp8-emulated"):
-        return (f"learner.lora with grpo.precision {precision}: the FP8 linears and the adapter's would wrap "
-                "each other; use precision bf16 or fp32 with a LoRA adapter")
-    if push_transport != "grpc":
-        return (f"learner.lora with push_transport {push_transport}: an adapter travels as UpdateWeights "
-                "chunks; use push_transport grpc (the adapter's tensors are small)")
-    if world_size > 1:
-        return (f"learner.lora on {world_size} learner ranks: LoRA trains on one rank here, not under FSDP2; "
-                "run one learner rank (the adapter's gradients are small) or leave learner.lora unset")
-    return None
 
 
 def base_digest(model: nn.Module) -> bytes:
@@ -135,11 +118,4 @@ class LoraWeights:
                               f"{self.base_digest.hex()}); set learner.model as the run's, or use another run_dir")
 
 
-def refuse_unsupported(spec: LoraSpec | None, **settings: Any) -> None:
-    """ConfigError with `refusal`'s line, if any."""
-    reason = refusal(spec, **settings)
-    if reason is not None:
-        raise ConfigError(reason)
-
-
-__all__ = ["LoraWeights", "base_digest", "refusal", "refuse_unsupported"]
+__all__ = ["LoraWeights", "base_digest"]

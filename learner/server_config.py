@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from learner.config import GRPOConfig
-from learner.lora import refusal
+from learner.lora_limits import refusal
 from sciproto.auth import AuthConfig
 from sciproto.channel import ServerAccess
 from sciproto.lora import LoraSpec

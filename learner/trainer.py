@@ -24,7 +24,8 @@ from learner.grpo import (
     split_micro_batches,
     split_mini_batches,
 )
-from learner.lora import LoraWeights, refuse_unsupported
+from learner.lora import LoraWeights
+from learner.lora_limits import refuse_unsupported
 from learner.memory import StepMemory
 from learner.precision import autocast, fsdp_policy, prepare_model
 from learner.prefix import _logits_of, sequence_logprobs_and_entropy, usable_shared_prefix

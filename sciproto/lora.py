@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch import nn
 
 from sciproto.weights.tensors import TensorSpec
+
+if TYPE_CHECKING:  # torch loads when a model is read: a config with an adapter does not need it
+    from torch import nn
 
 ADAPTER_PREFIX = "base_model.model."  # PEFT's prefix of a saved adapter's tensor names
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -82,6 +84,8 @@ class LoraSpec(BaseModel):
 def linear_layers(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Module name -> (out_features, in_features) of every nn.Linear of a base model (a meta-device
     model will do: only shapes are read)."""
+    from torch import nn
+
     return {name: (module.out_features, module.in_features)
             for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads when a dtype is looked up: reading a config does not need it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype name (e.g. float32, bfloat16)")  # noqa: TRY004 -- bad request content

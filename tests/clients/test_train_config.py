@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from clients.train import load_train_config
@@ -54,3 +58,16 @@ def test_a_lora_runs_vllm_server_holds_exactly_its_adapter_and_a_plain_vllm_serv
         load_train_config("demo", ["learner.lora.rank=8", "policy.adapters.max_adapters=0"])
     with pytest.raises(ConfigError, match="learner.lora.rank 32 is above policy.adapters.max_rank 16"):
         load_train_config("demo", ["learner.lora.rank=32", "policy.adapters.max_rank=16"])
+
+
+def test_a_bad_config_is_refused_before_torch_loads(tmp_path: Path) -> None:
+    """Reading and checking the config needs no torch (seconds of imports): the CLI, in a Python
+    where importing torch fails, still names the bad key and exits 1."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  batch_groups: 0\n  lora:\n    name: a\n")
+    without_torch = "import sys; sys.modules['torch'] = None; from clients.cli import main; main(sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", without_torch, "train", "--config", str(bad)],
+                            check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "learner.batch_groups" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

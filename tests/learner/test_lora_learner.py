@@ -21,7 +21,7 @@ from test_learner_service import make_group as wire_group
 
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.config import GRPOConfig
-from learner.lora import refusal
+from learner.lora_limits import refusal
 from learner.policy_sync import PolicySync
 from learner.push_types import PushResult, ServingDigestMismatch, check_serving, serving_of
 from learner.ranks import Ranks
