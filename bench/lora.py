@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sciproto.processes import lifeline_popen_options, watch_parent
+
 MODEL = "smollm2"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROMPT = "Maria has 14 apples and buys 7 more. How many apples does she have now? Reply with the number only."
@@ -195,7 +197,8 @@ def bench_learner(rank: int, steps: int) -> dict[str, Any]:
     for mode in ("full", "lora"):
         progress(f"learner: {steps} GRPO steps, {mode}")
         done = subprocess.run([sys.executable, __file__, "--learner-child", mode, "--rank", str(rank),
-                               "--steps", str(steps)], capture_output=True, text=True, timeout=3600, check=False)
+                               "--steps", str(steps)], capture_output=True, text=True, timeout=3600, check=False,
+                              **lifeline_popen_options())
         if done.returncode != 0:
             raise SystemExit(f"the {mode} learner child failed:\n{done.stderr[-3000:]}")
         results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -225,7 +228,7 @@ def bench_gain(seconds: float, rank: int, output: Path, base_report: Path | None
         subprocess.run([sys.executable, str(Path(__file__).with_name("real_model.py")), "--seconds", str(seconds),
                         "--runs-dir", str(runs_dir), "--run-name", run_name, "--output", str(out), "--curve-every", "0",
                         *base, *extra],
-                       check=True, timeout=seconds * 3 + 3600)
+                       check=True, timeout=seconds * 3 + 3600, **lifeline_popen_options())
         base_report = base_report or runs_dir / f"{run_name}.base-eval.json"
         report = json.loads(out.read_text())
         results[mode] = {"base": report["base"]["pass@1"], "trained": report["trained"]["pass@1"],
@@ -257,6 +260,7 @@ def main() -> None:
     parser.add_argument("--learner-child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.learner_child:
+        watch_parent()  # stop when the bench that started this child is gone
         print(json.dumps(learner_child(args.learner_child, args.rank, args.steps)))
         return
     result: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

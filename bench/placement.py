@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sciproto.processes import lifeline_popen_options
 from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -82,7 +83,8 @@ def main() -> None:
                    "--set", f"placement={placement}"]
         if base_report is not None:
             command += ["--base-report", str(base_report)]
-        subprocess.run(command, check=True, timeout=args.seconds * 3 + 3600, stdout=subprocess.DEVNULL)
+        subprocess.run(command, check=True, timeout=args.seconds * 3 + 3600, stdout=subprocess.DEVNULL,
+                       **lifeline_popen_options())  # the run stops if this script is killed
         report = json.loads(out.read_text())
         base_report = base_report or args.runs_dir / f"{name}.base-eval.json"
         trained = report.get("trained") or {}

@@ -45,7 +45,7 @@ from clients.eval import (
     serve_checkpoint,
 )
 from clients.train import load_train_config
-from sciproto.processes import sciproto_command, start_server
+from sciproto.processes import lifeline_popen_options, sciproto_command, start_server, watch_parent
 from sciproto.rundir import MANIFEST_FILE, METRICS_FILE, SUMMARY_FILE, checkpoints_dir, read_metrics
 
 
@@ -134,7 +134,9 @@ def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, see
     runs_dir.mkdir(parents=True, exist_ok=True)
     with screen.open("w") as out:
         # The budget stops the run; the slack covers server start-up and the final checkpoint.
-        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=seconds + 1200, check=True)
+        # The lifeline stops the run (and its servers) if this script is killed.
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=seconds + 1200, check=True,
+                       **lifeline_popen_options())
     return run_dir
 
 
@@ -206,6 +208,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None, help="Also write the JSON here")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="Train config override")
     args = parser.parse_args()
+    watch_parent()  # started by another bench (placement.py, lora.py): stop when it is gone
     result = asyncio.run(main_async(args))
     text = json.dumps(result, indent=2)
     print(text)

@@ -39,7 +39,7 @@ from clients.demonstrations import collect_demonstrations
 from clients.eval import EvalConfig, EvalReport, eval_config_for_run, evaluate, serve_checkpoint
 from clients.train import load_train_config
 from sciproto.client.rollouts import read_rollouts
-from sciproto.processes import sciproto_command, start_server
+from sciproto.processes import lifeline_popen_options, sciproto_command, start_server
 from sciproto.rundir import METRICS_FILE, SUMMARY_FILE, checkpoint_dir, read_metrics
 
 SPLITS = ("gsm8k:short_test", "gsm8k:test")
@@ -122,7 +122,8 @@ def run_training(config: str, run_dir: Path, overrides: list[str]) -> None:
     command = sciproto_command("train", "--config", config, "--fresh", "--set", f"run.name={run_dir.name}",
                                "--set", f"run.dir={run_dir.parent}", *(a for o in overrides for a in ("--set", o)))
     with run_dir.with_suffix(".train.out").open("w") as out:
-        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=4 * 3600, check=True)
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=4 * 3600, check=True,
+                       **lifeline_popen_options())  # the run stops if this script is killed
 
 
 def train_figures(run_dir: Path) -> dict:

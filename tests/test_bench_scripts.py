@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,45 @@ def test_the_real_model_bench_reads_its_learning_curve_from_the_checkpoints(tmp_
     curve = bench.learning_curve(run, base, evaluated)
     assert [(p["step"], p["seconds"], p["groups_consumed"], p["gain_points"]) for p in curve] == [
         (2, 80.0, 11, 17.0), (4, 160.0, 26, 38.0)]
+
+
+def processes_naming(text: str) -> dict[int, str]:
+    """pid -> command line of every process whose command line holds `text`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in command:
+                found[int(entry.name)] = command
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_real_model_bench_leaves_no_training_run_behind(tmp_path: Path) -> None:
+    """The bench runs `sciproto train` as a child; killed mid-run, it must take the run and the
+    run's servers with it. (The tiny model: it evaluates 2 held-out tasks, then trains.)"""
+    bench = subprocess.Popen([sys.executable, "bench/real_model.py", "--set", "policy.model=tiny", "--seconds", "600",
+                              "--limit", "2", "--curve-every", "0", "--runs-dir", str(tmp_path), "--run-name", "killed"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        # the bench, its `sciproto train`, and the run's env, policy and learner servers
+        while len(running := processes_naming(str(tmp_path))) < 5 or not (tmp_path / "killed" / "learner.log").exists():
+            assert bench.poll() is None, "the bench exited before its run started its servers"
+            assert time.monotonic() < deadline, f"the run's servers did not all start within 240 s: {running}"
+            time.sleep(0.5)
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while left := processes_naming(str(tmp_path)):
+            assert time.monotonic() < deadline, f"outlived the bench by 60 s: {left}"
+            time.sleep(0.5)
+    finally:
+        for pid in [bench.pid, *processes_naming(str(tmp_path))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
