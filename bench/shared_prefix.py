@@ -43,12 +43,12 @@ def groups_with_shared_prompts(vocab: int, prompt: int, groups: int, samples: in
         shared = [rng.randrange(vocab) for _ in range(prompt)]
         members = []
         for index in range(samples):
-            completion = rng.randint(*completion)
+            length = rng.randint(*completion)
             members.append(TrainSample(
-                token_ids=shared + [rng.randrange(vocab) for _ in range(completion)],
-                loss_mask=[0] * prompt + [1] * completion,
-                rollout_logprobs=[0.0] * prompt + [-2.0] * completion,
-                policy_versions=[-1] * prompt + [0] * completion,
+                token_ids=shared + [rng.randrange(vocab) for _ in range(length)],
+                loss_mask=[0] * prompt + [1] * length,
+                rollout_logprobs=[0.0] * prompt + [-2.0] * length,
+                policy_versions=[-1] * prompt + [0] * length,
                 reward=float(index % 2), sample_index=index,
             ))
         made.append(RolloutGroup(group_id=f"g{group}", task="bench", samples=members))
