@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "bench/results/figures.json"
 OUT = ROOT / "docs/images"
-TEAL, GREY, INDIGO = "#00897b", "#9e9e9e", "#3f51b5"
+TEAL, GREY, INDIGO, AMBER, PLUM = "#00897b", "#9e9e9e", "#3f51b5", "#ef6c00", "#8e24aa"
 
 
 def _save(figure: plt.Figure, name: str, out: Path) -> Path:
@@ -90,20 +90,24 @@ def train(run: dict, out: Path) -> Path:
 
 
 def learning_curve(run: dict, out: Path) -> Path:
-    figure, axis = plt.subplots(figsize=(6.4, 2.8))
+    figure, axis = plt.subplots(figsize=(6.4, 3.4))
     base = run["base"]
     axis.axhspan(base[1], base[2], color=GREY, alpha=0.25, linewidth=0)
     axis.axhline(base[0], color=GREY, linestyle="--", linewidth=1, label="base model")
-    for (name, points), colour in zip(run["curves"].items(), (TEAL, INDIGO)):
+    # the runs before a change dashed and unshaded; each run after it with its intervals
+    for (name, points), colour in zip(run["curves"].items(), (INDIGO, PLUM, TEAL, AMBER, "#c62828"), strict=False):
         seconds = [0] + [p[0] for p in points]
         centres = [base[0]] + [p[1] for p in points]
-        axis.plot(seconds, centres, marker="o", markersize=3, color=colour, label=name)
-        axis.fill_between([p[0] for p in points], [p[2] for p in points], [p[3] for p in points],
-                          color=colour, alpha=0.15, linewidth=0)
+        before = name in run.get("before", [])
+        axis.plot(seconds, centres, marker="o", markersize=3, color=colour, label=name,
+                  linestyle="--" if before else "-", linewidth=1 if before else 1.5)
+        if not before:
+            axis.fill_between([p[0] for p in points], [p[2] for p in points], [p[3] for p in points],
+                              color=colour, alpha=0.12, linewidth=0)
     axis.set_ylim(0, 1)
     axis.set_xlabel("seconds of training (SmolLM2-135M, GRPO on a CPU)")
     axis.set_ylabel("held-out pass@1")
-    axis.legend(loc="upper left", frameon=False)
+    axis.legend(loc="lower right", frameon=False, fontsize=7)
     return _save(figure, "learning-curve", out)
 
 
