@@ -9,10 +9,10 @@ replaced in place), so everything that reads a transformers model (the shared-pr
 input embeddings) works as with full weights; the PEFT wrapper names the adapter's tensors as the
 wire carries them (`sciproto.lora`) and switches the adapter off for the KL reference.
 
-What does not combine with LoRA here is refused in one line (learner/lora_limits.py): FSDP2 (several learner
-ranks), the fp8 precisions (their linears and PEFT's would wrap each other), and the collective
-push transports (adapters travel as UpdateWeights chunks). PEFT is imported when an adapter is
-built, so that reading a learner config does not load it.
+What does not combine with LoRA here is refused in one line (learner/lora_limits.py): FSDP2
+(several learner ranks), the fp8 precisions (their linears and PEFT's would wrap each other), and
+the collective push transports (adapters travel as UpdateWeights chunks). PEFT is imported when an
+adapter is built, so that reading a learner config does not load it.
 """
 
 from __future__ import annotations
