@@ -396,10 +396,20 @@ def token_logprobs_and_entropy(
     """
     if sampling is None:
         return token_logprobs(logits, input_ids[:, 1:], temperature)
+    return sampled_logprobs(logits, input_ids[:, 1:], sampling)
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, sampling: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(targets) and the entropy, [B, T] each, where logits[:, t] scores targets[:, t] and
+    sampling[:, t] = (temperature, top_p, top_k) is what sampled that token. The truncated
+    distribution (learner/logprobs.py) is computed only when some token had top_p < 1 or
+    top_k > 0; otherwise every token takes the cheaper untruncated path, with the same values."""
     top_p, top_k = sampling[..., 1], sampling[..., 2].long()
-    if not bool(((top_p < 1) | (top_k > 0)).any()):
-        top_p = top_k = None  # type: ignore[assignment]
-    return token_logprobs(logits, input_ids[:, 1:], sampling[..., 0].contiguous(), top_p=top_p, top_k=top_k)
+    truncated = bool(((top_p < 1) | (top_k > 0)).any())
+    return token_logprobs(logits, targets, sampling[..., 0].contiguous(),
+                          top_p=top_p if truncated else None, top_k=top_k if truncated else None)
 
 
 # Order of the summed statistics, so that ranks can all-reduce them as one tensor.

@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from learner.grpo import MicroBatch, token_logprobs_and_entropy, untruncated
-from learner.logprobs import token_logprobs
+from learner.grpo import MicroBatch, sampled_logprobs, token_logprobs_and_entropy, untruncated
 
 
 def shared_prefix_length(batch: MicroBatch) -> int:
@@ -111,10 +110,7 @@ def _packed_logprobs_and_entropy(model: nn.Module, batch: MicroBatch, start: int
     # one pad column and one untruncated sampling row past the end keep the indices in range).
     targets = F.pad(ids, (0, 1))[row, position + 1]
     sampling = torch.cat([batch.sampling, untruncated(1, 1.0).to(batch.sampling).expand(rows, 1, 3)], dim=1)[row, position]
-    top_p, top_k = sampling[:, 1], sampling[:, 2].long()
-    truncated = bool(((top_p < 1) | (top_k > 0)).any())
-    chosen, entropy = token_logprobs(logits, targets[None], sampling[None, :, 0].contiguous(),
-                                     top_p=top_p[None] if truncated else None, top_k=top_k[None] if truncated else None)
+    chosen, entropy = sampled_logprobs(logits, targets[None], sampling[None])
     placed = []
     for values in (chosen, entropy):
         out = values.new_zeros(rows, length - start).index_put((row, offset), values[0])
