@@ -143,19 +143,30 @@ def test_rows_run_without_their_padding_give_the_padded_passs_logprobs(
         torch.testing.assert_close(got[trained], want[trained], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_a_trained_shared_prefix_keeps_its_logits(rng: random.Random) -> None:
+def head_positions(model: torch.nn.Module) -> list[int]:
+    """Positions the model's output head scored, per call, recorded as the calls happen."""
+    calls: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda _module, args, _output: calls.append(args[0].shape[:-1].numel()))
+    return calls
+
+
+@pytest.mark.parametrize("prompt_trained", [True, False], ids=["trained-prefix", "untrained-prompt"])
+def test_the_prefix_keeps_its_logits_only_when_trained(rng: random.Random, prompt_trained: bool) -> None:
     """Rows that share trained tokens (a step group's earlier turns) still get their log-probability
-    from the prefix's logits when the padding is skipped; an untrained prompt's logits are not
-    computed."""
+    from the prefix's logits when the padding is skipped; an untrained prompt's head runs on its
+    last position only (the one that predicts the first row token)."""
     model = tiny_model()
     shared_ids = [rng.randrange(VOCAB) for _ in range(30)]
-    rows = [sequence(shared_ids + [rng.randrange(VOCAB) for _ in range(n)]) for n in (2, 9, 4, 15)]  # all trained
+    rows = [sampled(shared_ids + [rng.randrange(VOCAB) for _ in range(n)], 0 if prompt_trained else 30, 1.0, 0)
+            for n in (2, 9, 4, 15)]
     batch = pad_right(rows)
     with torch.no_grad():
         padded = sequence_logprobs_and_entropy(model, batch, 30)
+        heads = head_positions(model)
         packed = sequence_logprobs_and_entropy(model, batch, 30, packed=True)
+    assert heads[0] == (30 if prompt_trained else 1)  # the prefix's pass comes first
     trained = batch.loss_mask.bool()
-    assert bool(trained[:, :29].all())
+    assert bool(trained[:, :29].all()) == prompt_trained
     for want, got in zip(padded, packed, strict=True):
         torch.testing.assert_close(got[trained], want[trained], rtol=1e-5, atol=1e-5)
 
