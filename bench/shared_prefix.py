@@ -9,12 +9,16 @@ same starting weights:
   - shared:   the prompt once (16), the rows after it padded to the longest;
   - unpadded: the prompt once, the rows after it packed into one row without padding (the
               default, learner/prefix.py).
-Each figure is the median of the timed steps after one warm-up step. Also reports the loss of the
-first step of each, which must agree.
-Output: {"full": {...}, "shared": {...}, "unpadded": {...}, "speedup_shared_over_full": ...,
-         "speedup_unpadded_over_shared": ...}.
+With `--precision fp32 bf16` each mode also runs under bf16 autocast over the same fp32 weights
+(learner/precision.py; on a CPU with AMX the bf16 matmuls are the fast ones); `--modes` runs only
+some modes. Each figure is the median of the timed steps after one warm-up step. Also reports the
+loss of the first step of each, which must agree (to bf16's rounding across precisions).
+Output: {"full": {...}, "shared": {...}, "unpadded": {...}, "unpadded-bf16": {...},
+         "speedup_shared_over_full": ..., "speedup_unpadded_over_shared": ...,
+         "speedup_bf16_over_fp32": {mode: ...}}.
 Usage: python bench/shared_prefix.py [--prompt 600] [--completion 60 200] [--groups 2] [--samples 8]
        [--steps 3] [--model tiny|smollm2] [--micro-batch-tokens 4096] [--threads N]
+       [--modes full shared unpadded] [--precision fp32 [bf16]]
 """
 
 from __future__ import annotations
@@ -66,19 +70,24 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="a policy_server model name (tiny, smollm2)")
     parser.add_argument("--micro-batch-tokens", type=int, default=GRPOConfig().micro_batch_tokens)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                        help="learner.grpo.precision of each mode (bf16: autocast over fp32 weights)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    loaded = {mode: load_model(args.model, seed=0) for mode in MODES}  # same weights
-    batch = groups_with_shared_prompts(len(loaded["full"].tokenizer), args.prompt, args.groups, args.samples,
-                                       completion=tuple(args.completion))
+    runs = {(mode if precision == "fp32" else f"{mode}-{precision}"): (mode, precision)
+            for precision in args.precision for mode in args.modes}
+    loaded = {name: load_model(args.model, seed=0) for name in runs}  # same weights
+    batch = groups_with_shared_prompts(len(next(iter(loaded.values())).tokenizer), args.prompt, args.groups,
+                                       args.samples, completion=tuple(args.completion))
     # A negligible lr keeps the weights, so every step of every mode does the same work.
     trainers = {
-        mode: GRPOTrainer(loaded[mode].model.requires_grad_(True),
-                          GRPOConfig(shared_prefix_min_tokens=minimum, skip_padding=skip, lr=1e-12,
-                                     micro_batch_tokens=args.micro_batch_tokens))
-        for mode, (minimum, skip) in MODES.items()
+        name: GRPOTrainer(loaded[name].model.requires_grad_(True),
+                          GRPOConfig(shared_prefix_min_tokens=MODES[mode][0], skip_padding=MODES[mode][1], lr=1e-12,
+                                     micro_batch_tokens=args.micro_batch_tokens, precision=precision))
+        for name, (mode, precision) in runs.items()
     }
     times: dict[str, list[float]] = {mode: [] for mode in trainers}
     first_loss: dict[str, float] = {}
@@ -97,10 +106,15 @@ def main() -> None:
                "first_step_loss": first_loss[mode]}
         for mode, seconds in times.items()
     }
-    result["speedup_shared_over_full"] = round(
-        result["full"]["seconds_per_step"] / result["shared"]["seconds_per_step"], 2)
-    result["speedup_unpadded_over_shared"] = round(
-        result["shared"]["seconds_per_step"] / result["unpadded"]["seconds_per_step"], 2)
+    def speedup(slow: str, fast: str) -> float | None:
+        if slow not in result or fast not in result:
+            return None
+        return round(result[slow]["seconds_per_step"] / result[fast]["seconds_per_step"], 2)
+
+    result["speedup_shared_over_full"] = speedup("full", "shared")
+    result["speedup_unpadded_over_shared"] = speedup("shared", "unpadded")
+    if "bf16" in args.precision and "fp32" in args.precision:
+        result["speedup_bf16_over_fp32"] = {mode: speedup(mode, f"{mode}-bf16") for mode in args.modes}
     result["workload"] = {"model": args.model, "prompt_tokens": args.prompt, "completion_tokens": list(args.completion),
                           "groups": args.groups, "samples": args.samples, "tokens_per_step": tokens,
                           "threads": torch.get_num_threads()}
