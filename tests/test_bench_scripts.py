@@ -138,3 +138,23 @@ def test_a_killed_real_model_bench_leaves_no_training_run_behind(tmp_path: Path)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_screening_replay_counts_every_probe_of_a_group(tmp_path: Path) -> None:
+    # Group a: rewards 1, 1, 0, 0 of 10 tokens each; group b: all 0. A probe of 2 samples differs in
+    # 4 of a's 6 pairs (then all 40 tokens are generated) and agrees in 2 (20 tokens); b's probe
+    # always agrees (20 tokens). A group of 3 samples is cut short by a failure and left out.
+    bench = load_bench("screening")
+    rows = [("a", i, float(i < 2)) for i in range(4)] + [("b", i, 0.0) for i in range(4)]
+    rows += [("c", i, 1.0) for i in range(3)]
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({
+        "rollout_id": f"t/s/{g}/{i}", "group_id": f"t/s/{g}", "env": "t", "split": "s", "index": ord(g),
+        "sample": i, "status": "SCORED", "reward": reward, "tokens": {"prompt": 5, "completion": 10},
+    }) + "\n" for g, i, reward in rows))
+    groups = bench.groups_of([tmp_path])
+    assert sorted(len(g) for g in groups) == [4, 4]
+    probe = bench.replay(groups, 2)
+    assert probe["tokens"] == round((4 * 40 + 2 * 20) / 6 + 20)
+    assert probe["signal_groups"] == round(4 / 6, 1)
+    assert probe["signal_groups_lost"] == round(2 / 6, 1)
+    assert bench.replay(groups, 3)["signal_groups"] == 1.0  # any 3 of 1, 1, 0, 0 differ
