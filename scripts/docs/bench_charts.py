@@ -95,7 +95,7 @@ def learning_curve(run: dict, out: Path) -> Path:
     axis.axhspan(base[1], base[2], color=GREY, alpha=0.25, linewidth=0)
     axis.axhline(base[0], color=GREY, linestyle="--", linewidth=1, label="base model")
     # the runs before a change dashed and unshaded; each run after it with its intervals
-    for (name, points), colour in zip(run["curves"].items(), (INDIGO, PLUM, TEAL, AMBER, "#c62828"), strict=False):
+    for (name, points), colour in zip(run["curves"].items(), (INDIGO, PLUM, TEAL, AMBER, "#c62828", "#2e7d32"), strict=False):
         seconds = [0] + [p[0] for p in points]
         centres = [base[0]] + [p[1] for p in points]
         before = name in run.get("before", [])
@@ -107,7 +107,7 @@ def learning_curve(run: dict, out: Path) -> Path:
     axis.set_ylim(0, 1)
     axis.set_xlabel("seconds of training (SmolLM2-135M, GRPO on a CPU)")
     axis.set_ylabel("held-out pass@1")
-    axis.legend(loc="lower right", frameon=False, fontsize=7)
+    axis.legend(loc="upper left", frameon=False, fontsize=7)
     return _save(figure, "learning-curve", out)
 
 
