@@ -1,7 +1,7 @@
 """A real pretrained model learns a real task on this machine: held-out pass@1 before and after training.
 
-1. Starts a gsm8k env server and a policy server with the base model (SmolLM2-135M-Instruct),
-   and evaluates it greedily on the first `--limit` tasks of the held-out split (the training
+1. Starts an env server for the held-out tasks' env and a policy server with the config's base
+   model (SmolLM2-135M-Instruct for the default config), and evaluates it greedily on the first `--limit` tasks of the held-out split (the training
    split's test twin, e.g. gsm8k:short_text_test for short_text_train; `sciproto eval`'s
    `clients.eval.evaluate`, with the train config's turn and token budgets).
 2. Stops that policy server and runs `sciproto train --config CONFIG` for `--seconds` (a child
@@ -146,7 +146,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     out_dir = args.runs_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     run_name = args.run_name or f"real-model-{int(time.time())}"
-    env = await asyncio.to_thread(start_server, ["serve", "env", "--env", "gsm8k", "--port", "0"], timeout_s=300)
+    env = await asyncio.to_thread(start_server, ["serve", "env", "--env", tasks.split(":")[0], "--port", "0"],
+                                  timeout_s=300)
     try:
         if args.base_report:
             base = EvalReport.model_validate_json(args.base_report.read_text())

@@ -158,3 +158,17 @@ def test_the_screening_replay_counts_every_probe_of_a_group(tmp_path: Path) -> N
     assert probe["signal_groups"] == round(4 / 6, 1)
     assert probe["signal_groups_lost"] == round(2 / 6, 1)
     assert bench.replay(groups, 3)["signal_groups"] == 1.0  # any 3 of 1, 1, 0, 0 differ
+
+
+@pytest.mark.slow
+def test_the_real_model_bench_evaluates_on_the_env_of_its_config(tmp_path: Path) -> None:
+    """`--config` names any train config: the held-out evaluation runs on that config's env (the
+    demo's toy env here, with its tiny model), not on gsm8k's."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "bench/real_model.py", "--config", "demo", "--seconds", "15", "--limit", "3",
+                           "--curve-every", "0", "--runs-dir", str(tmp_path), "--output", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["eval_tasks"].startswith("toy:test"), result["eval_tasks"]
+    assert result["base"]["tasks"] == result["trained"]["tasks"] == 3
