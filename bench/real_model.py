@@ -1,9 +1,10 @@
 """A real pretrained model learns a real task on this machine: held-out pass@1 before and after training.
 
 1. Starts an env server for the held-out tasks' env and a policy server with the config's base
-   model (SmolLM2-135M-Instruct for the default config), and evaluates it greedily on the first `--limit` tasks of the held-out split (the training
-   split's test twin, e.g. gsm8k:short_text_test for short_text_train; `sciproto eval`'s
-   `clients.eval.evaluate`, with the train config's turn and token budgets).
+   model (SmolLM2-135M-Instruct for the default config), and evaluates it greedily on the first
+   `--limit` tasks of the held-out split (the training split's test twin, e.g.
+   gsm8k:short_text_test for short_text_train; `sciproto eval`'s `clients.eval.evaluate`, with
+   the train config's turn and token budgets).
 2. Stops that policy server and runs `sciproto train --config CONFIG` for `--seconds` (a child
    process; its screen goes to `<run dir>.train.out`).
 3. Evaluates the run's final checkpoint the same way (a policy server serving its weights), and
