@@ -12,8 +12,8 @@ and each figure below is exact over all C(n, k) subsets of each group:
 
 Reported per k, against generating every group in full: completion tokens spent, groups with
 signal, and their ratio (signal groups per 1,000 tokens) over the full ratio: above 1 the probe
-teaches more per token generated. The share of tokens spent on groups without signal is the
-issue's "generation without signal", in tokens.
+teaches more per token generated. `no_signal_tokens_frac` is the share of the completion tokens
+that went to groups without signal.
 Output JSON: {"groups", "samples", "full": {...}, "probe": {"k": {...}}}.
 Usage: python bench/screening.py RUN_DIR_OR_ROLLOUTS_JSONL [...]
 """
@@ -38,6 +38,8 @@ def groups_of(paths: list[Path]) -> list[list[tuple[float, int]]]:
             if record.status is RolloutStatus.SCORED:
                 groups[f"{path}:{record.group_id}"].append((record.reward, record.tokens.completion))
     sizes = [len(g) for g in groups.values()]
+    if not sizes:
+        return []
     n = max(set(sizes), key=sizes.count)  # the run's group size; groups cut short by failures are left out
     return [g for g in groups.values() if len(g) == n]
 
