@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from clients.collect import CollectError, parse_tasks
 from clients.eval import (
     EvalConfig,
     EvalReport,
@@ -147,8 +148,11 @@ async def main_async(args: argparse.Namespace) -> dict:
     out_dir = args.runs_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     run_name = args.run_name or f"real-model-{int(time.time())}"
-    env = await asyncio.to_thread(start_server, ["serve", "env", "--env", tasks.split(":")[0], "--port", "0"],
-                                  timeout_s=300)
+    try:
+        env_name, _ = parse_tasks(tasks)
+    except CollectError:
+        raise SystemExit(f"--eval-tasks {tasks!r} must look like ENV:SPLIT, e.g. gsm8k:short_text_test") from None
+    env = await asyncio.to_thread(start_server, ["serve", "env", "--env", env_name, "--port", "0"], timeout_s=300)
     try:
         if args.base_report:
             base = EvalReport.model_validate_json(args.base_report.read_text())

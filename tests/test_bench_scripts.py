@@ -172,3 +172,11 @@ def test_the_real_model_bench_evaluates_on_the_env_of_its_config(tmp_path: Path)
     result = json.loads(out.read_text())
     assert result["eval_tasks"].startswith("toy:test"), result["eval_tasks"]
     assert result["base"]["tasks"] == result["trained"]["tasks"] == 3
+
+
+def test_the_real_model_bench_refuses_eval_tasks_without_a_split() -> None:
+    done = subprocess.run([sys.executable, "bench/real_model.py", "--eval-tasks", "toytest", "--limit", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode != 0
+    assert "--eval-tasks 'toytest' must look like ENV:SPLIT" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
