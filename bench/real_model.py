@@ -123,6 +123,11 @@ def learning_curve(run_dir: Path, base: dict, evaluated: list[tuple[Path, dict]]
     return sorted(points, key=lambda point: point["step"])
 
 
+def seconds_to_gain(curve: list[dict], points: float) -> float | None:
+    """The time into the run of the first checkpoint on `curve` at or past `points` of gain."""
+    return next((point["seconds"] for point in curve if point["gain_points"] >= points), None)
+
+
 def run_training(config: str, seconds: float, run_name: str, runs_dir: Path, seed: int, overrides: list[str],
                  curve_every: int = 0) -> Path:
     run_dir = runs_dir / run_name
@@ -189,7 +194,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "train_budget_s": args.seconds, "base": before, "trained": after,
             "gain_points": round(100 * (after["pass@1"] - before["pass@1"]), 1),
             "curve": curve,
-            "seconds_to_gain_30": next((point["seconds"] for point in curve if point["gain_points"] >= 30), None),
+            "seconds_to_gain_30": seconds_to_gain(curve, 30),
             "gain_points_per_100_groups": (round(100 * 100 * (after["pass@1"] - before["pass@1"])
                                                  / figures["groups_generated"], 2)
                                            if figures.get("groups_generated") else None),
