@@ -16,7 +16,7 @@ Output JSON: {"base": {"pass@1", "low", "high", ...}, "trained": {...}, "gain_po
 "gain_beyond_intervals": trained.low > base.high, "gain_points_per_100_groups" (the gain over the
 groups the run generated), "curve": [{step, seconds, groups_consumed, pass@1, low, high, gain_points}]
 (every checkpoint, the last one the trained model), "seconds_to_gain_30" (the first checkpoint's
-time at or past +30 points; null if none was), "train": {steps, seconds, groups_generated,
+time at or past +30 points; null if none was, or if only the final checkpoint was evaluated), "train": {steps, seconds, groups_generated,
 generation tokens/s over the run, while generating and alone before it (the run's calibration),
 training tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding
 makes both evaluations deterministic for given weights; the training run is seeded
@@ -124,7 +124,11 @@ def learning_curve(run_dir: Path, base: dict, evaluated: list[tuple[Path, dict]]
 
 
 def seconds_to_gain(curve: list[dict], points: float) -> float | None:
-    """The time into the run of the first checkpoint on `curve` at or past `points` of gain."""
+    """The time into the run of the first checkpoint on `curve` at or past `points` of gain. None if
+    no checkpoint got there, or if the curve is the final checkpoint alone (`--curve-every 0`): that
+    the run ended past the gain says it got there some time before its end, not when."""
+    if len(curve) < 2:
+        return None
     return next((point["seconds"] for point in curve if point["gain_points"] >= points), None)
 
 

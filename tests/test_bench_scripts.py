@@ -98,6 +98,19 @@ def test_the_real_model_bench_reads_its_learning_curve_from_the_checkpoints(tmp_
         (2, 80.0, 11, 17.0), (4, 160.0, 26, 38.0)]
 
 
+
+def test_the_time_to_a_gain_is_unknown_when_only_the_final_checkpoint_was_evaluated() -> None:
+    # With --curve-every 0 the curve is the final checkpoint alone: past +30 there says the run got
+    # there some time before its end, not when.
+    bench = load_bench("real_model")
+    point = {"step": 84, "seconds": 1193.6, "gain_points": 47.0}
+    assert bench.seconds_to_gain([point], 30) is None
+    # With earlier checkpoints evaluated, the first one at or past the gain bounds it.
+    curve = [{"step": 8, "seconds": 140.0, "gain_points": 12.0}, {"step": 16, "seconds": 268.0, "gain_points": 30.0},
+             point]
+    assert bench.seconds_to_gain(curve, 30) == 268.0
+    assert bench.seconds_to_gain(curve, 50) is None
+
 def processes_naming(text: str) -> dict[int, str]:
     """pid -> command line of every process whose command line holds `text`."""
     found = {}
