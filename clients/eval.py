@@ -53,6 +53,7 @@ from sciproto.channel import ServerAccess, make_channel
 from sciproto.client.policy import PolicyClient
 from sciproto.client.rollouts import RolloutRecord
 from sciproto.config import load_config
+from sciproto.hardware import auto_dtype
 from sciproto.processes import ServerProcess, start_server
 from sciproto.rundir import (
     CONFIG_FILE,
@@ -80,7 +81,8 @@ class CheckpointServing(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="Base model spec; default: policy.model of the run's config.yaml")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the checkpoint is served in")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the checkpoint is served in (auto: bfloat16 on a CPU with AMX, float32 elsewhere)")
     threads: int = Field(0, ge=0, description="torch/OpenMP threads of the server (0: library default)")
     start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the server to announce its port")
     stop_timeout_s: float = Field(60.0, gt=0, description="Longest wait after SIGTERM before SIGKILL")
@@ -190,12 +192,14 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
     model, seed = base_model_of(folder, settings.model)
     lora = manifest.get("lora")
     threads = {"OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
+    # The child serves on the CPU (the transformers backend's default device).
+    served = auto_dtype("cpu")[0] if settings.dtype == "auto" else settings.dtype
     process: ServerProcess = await asyncio.to_thread(
-        start_server, ["serve", "policy", "--model", model, "--port", "0", "--set", f"dtype={settings.dtype}",
+        start_server, ["serve", "policy", "--model", model, "--port", "0", "--set", f"dtype={served}",
                        "--set", f"seed={seed}"],
         timeout_s=settings.start_timeout_s, log_file=log_file, env=threads if settings.threads else None)
     try:
-        dtype = getattr(torch, settings.dtype)
+        dtype = getattr(torch, served)
         weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                    for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
         client = PolicyClient(make_channel(process.target))

@@ -28,6 +28,7 @@ from learner.weight_push import build_weight_pusher
 from sciproto.auth import Authenticator
 from sciproto.client.policy import PolicyClient
 from sciproto.config import ConfigError, load_component_config
+from sciproto.hardware import auto_precision
 from sciproto.pb import LEARNER_SERVICE, learner_grpc
 from sciproto.server import (
     RunningServer,
@@ -47,6 +48,15 @@ SECTION = "learner"  # in a config file shared by every component, the learner r
 def load_learner_config(config: str | None, overrides: Sequence[str] = ()) -> LearnerServerConfig:
     """A learner config file, or the `learner:` section of a file that configures several components."""
     return load_component_config(LearnerServerConfig, config, overrides, SECTION)
+
+
+def resolve_precision(config: LearnerServerConfig) -> LearnerServerConfig:
+    """`grpo.precision: auto` made concrete for the learner's device (sciproto.hardware)."""
+    if config.grpo.precision != "auto":
+        return config
+    precision, reason = auto_precision(config.device)
+    log.info("precision auto: %s compute (%s)", precision, reason)
+    return config.model_copy(update={"grpo": config.grpo.model_copy(update={"precision": precision})})
 
 
 def build_trainer(config: LearnerServerConfig) -> tuple[GRPOTrainer, str]:
@@ -137,6 +147,7 @@ async def start(
     once (stopping the server saves the final checkpoint). `serve` waits for a signal around it; a
     cluster engine's actor calls it directly. On a rank other than 0: the follower."""
     rank_env = RankEnv.from_environ()
+    config = resolve_precision(config)
     lora_limits.refuse_unsupported(config.lora, world_size=rank_env.world_size)  # before the ranks wait for each other
     store = await asyncio.to_thread(join, rank_env)
     trainer, model_name = build_trainer(config)

@@ -67,5 +67,7 @@ class GRPOConfig(BaseModel):
     per_transition: bool = False
     seed: int = Field(default=0, description="Seed of torch's generator when the trainer starts")
     # fp8 needs a CUDA GPU with compute capability >= 8.9; fp8-emulated runs the FP8 numerics
-    # on any device (tests).
-    precision: Literal["fp32", "bf16", "fp8", "fp8-emulated"] = "fp32"
+    # on any device (tests). auto: bf16 where the learner's device multiplies bf16 natively (a CPU
+    # with AMX, a GPU with compute capability >= 8.0), fp32 elsewhere; the learner resolves it when
+    # it starts (sciproto.hardware).
+    precision: Literal["auto", "fp32", "bf16", "fp8", "fp8-emulated"] = "fp32"

@@ -14,6 +14,7 @@ from policy_server.service import PolicyServicer, PromptTokenizer, register
 from policy_server.tokenizing import longest_token_chars
 from sciproto.auth import Authenticator
 from sciproto.config import ConfigError, load_component_config
+from sciproto.hardware import auto_dtype
 from sciproto.pb import POLICY_SERVICE
 from sciproto.server import (
     RunningServer,
@@ -34,9 +35,26 @@ def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> Pol
     return load_component_config(PolicyServerConfig, config, overrides, SECTION)
 
 
+def resolve_dtype(config: PolicyServerConfig) -> PolicyServerConfig:
+    """`dtype: auto` made concrete for the device this server computes on (sciproto.hardware):
+    transformers' configured device; vllm's GPU where there is one, else the CPU."""
+    if config.dtype != "auto":
+        return config
+    if config.backend == "transformers":
+        device = config.transformers.device
+    else:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, reason = auto_dtype(device)
+    log.info("dtype auto: serving %s (%s)", dtype, reason)
+    return config.model_copy(update={"dtype": dtype})
+
+
 def build_backend(config: PolicyServerConfig) -> tuple[PolicyBackend, PromptTokenizer]:
     """The configured backend (its plug-in's factory, policy_server.backends.registry), and how its
     prompts are turned into token ids."""
+    config = resolve_dtype(config)
     plugin = backend_plugin(config.backend)
     try:
         factory = plugin.load()

@@ -44,7 +44,9 @@ class PolicyServerConfig(BaseModel):
     model: str = Field("tiny", description='"tiny", "smollm2", or a local Hugging Face model directory')
     backend: Literal["transformers", "vllm", "openai"] = Field(
         "transformers", description="transformers (CPU, small GPU), vllm (GPU), or openai (an OpenAI-compatible server)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the model is loaded and served in")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the model is loaded and served in; auto: bfloat16 where the serving device "
+        "multiplies bf16 natively (a CPU with AMX, a GPU with compute capability >= 8.0), float32 elsewhere")
     seed: int = Field(0, description="Seed of the random `tiny` model's weights")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that leaves it 0")
     max_samples_per_request: int = Field(64, ge=1, description="Largest n a Generate request may ask for")

@@ -99,3 +99,39 @@ def test_demo_training_raises_the_reward(tmp_path: Path) -> None:
     rollouts = list(read_rollouts(run_dir / "rollouts.jsonl"))
     assert len(rollouts) >= len(trained) * 16 * 8
     assert len({r.rollout_id for r in rollouts}) == len(rollouts), "every rollout line is unique"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_auto_dtype_and_precision_resolve_where_each_server_computes(tmp_path: Path) -> None:
+    # `policy.dtype: auto` and `learner.grpo.precision: auto`: each server picks for its own device
+    # (here both the CPU) and says why; the learner pushes what the policy server serves, and a
+    # checkpoint evaluated with `checkpoint.dtype: auto` is served the same way.
+    from sciproto.hardware import auto_dtype, auto_precision
+    from sciproto.processes import start_server
+    from tests.test_train_recovery_e2e import run_cli
+
+    dtype, reason = auto_dtype("cpu")
+    precision = auto_precision("cpu")[0]
+    done = run_cli(f"run.dir={tmp_path}", "run.name=auto", "progress=false", "budget.max_steps=2",
+                   "budget.target_reward=null", "policy.dtype=auto", "learner.grpo.precision=auto", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = tmp_path / "auto"
+    policy_log = (run_dir / "policy.log").read_text()
+    learner_log = (run_dir / "learner.log").read_text()
+    assert f"dtype auto: serving {dtype} ({reason})" in policy_log
+    assert f"(transformers, {dtype})" in policy_log
+    assert f"precision auto: {precision} compute ({reason})" in learner_log
+    assert f"{precision} compute over fp32 weights" in learner_log and f"pushing {dtype} to" in learner_log
+    assert json.loads((run_dir / "summary.json").read_text())["steps"][-1]["step"] == 2
+
+    env = start_server(["serve", "env", "--env", "toy", "--port", "0"], timeout_s=120)
+    try:
+        evaluated = subprocess.run(
+            [sys.executable, "-m", "sciproto", "eval", "--env", env.target, "--tasks", "toy:test", "--checkpoint",
+             str(run_dir), "--limit", "2", "--output", str(tmp_path / "eval.json"), "--set", "checkpoint.dtype=auto"],
+            capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        env.stop(30)
+    assert evaluated.returncode == 0, evaluated.stderr[-4000:]
+    assert f"(transformers, {dtype})" in (tmp_path / "eval.policy.log").read_text()
