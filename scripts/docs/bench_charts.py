@@ -95,7 +95,7 @@ def learning_curve(run: dict, out: Path) -> Path:
     axis.axhspan(base[1], base[2], color=GREY, alpha=0.25, linewidth=0)
     axis.axhline(base[0], color=GREY, linestyle="--", linewidth=1, label="base model")
     # the runs before a change dashed and unshaded; each run after it with its intervals
-    for (name, points), colour in zip(run["curves"].items(), (INDIGO, PLUM, TEAL, AMBER, "#c62828", "#2e7d32"), strict=False):
+    for (name, points), colour in zip(run["curves"].items(), (INDIGO, PLUM, TEAL, AMBER, "#c62828", "#2e7d32", "#6d4c41"), strict=False):
         seconds = [0] + [p[0] for p in points]
         centres = [base[0]] + [p[1] for p in points]
         before = name in run.get("before", [])
