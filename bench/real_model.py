@@ -16,12 +16,12 @@ Output JSON: {"base": {"pass@1", "low", "high", ...}, "trained": {...}, "gain_po
 "gain_beyond_intervals": trained.low > base.high, "gain_points_per_100_groups" (the gain over the
 groups the run generated), "curve": [{step, seconds, groups_consumed, pass@1, low, high, gain_points}]
 (every checkpoint, the last one the trained model), "seconds_to_gain_30" (the first checkpoint's
-time at or past +30 points; null if none was, or if only the final checkpoint was evaluated), "train": {steps, seconds, groups_generated,
-generation tokens/s over the run, while generating and alone before it (the run's calibration),
-training tokens/s, ...}, "seed", ...}; the ratio is trained over base pass@1. Greedy decoding
-makes both evaluations deterministic for given weights; the training run is seeded
-(`learner.grpo.seed`, `rollout.sampling.seed`) but its timing on a shared machine is not, so two
-runs differ.
+time at or past +30 points; null if none was, or if only the final checkpoint was evaluated),
+"train": {steps, seconds, groups_generated, generation tokens/s over the run, while generating
+and alone before it (the run's calibration), training tokens/s, ...}, "seed", ...}; the ratio is
+trained over base pass@1. Greedy decoding makes both evaluations deterministic for given weights;
+the training run is seeded (`learner.grpo.seed`, `rollout.sampling.seed`) but its timing on a
+shared machine is not, so two runs differ.
 Usage: python bench/real_model.py [--config arith_smollm2_cpu] [--seconds 1800] [--limit 100] [--curve-every 8]
        [--eval-tasks ENV:SPLIT] [--base-report FILE (reuse a base evaluation)] [--output FILE] [--set key=value ...]
 """

@@ -53,7 +53,6 @@ from sciproto.channel import ServerAccess, make_channel
 from sciproto.client.policy import PolicyClient
 from sciproto.client.rollouts import RolloutRecord
 from sciproto.config import load_config
-from sciproto.hardware import auto_dtype
 from sciproto.processes import ServerProcess, start_server
 from sciproto.rundir import (
     CONFIG_FILE,
@@ -82,7 +81,7 @@ class CheckpointServing(BaseModel):
 
     model: str | None = Field(None, description="Base model spec; default: policy.model of the run's config.yaml")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype the checkpoint is served in (auto: bfloat16 on a CPU with AMX, float32 elsewhere)")
+        "float32", description="dtype the checkpoint is served in (auto: the policy server picks, bfloat16 on a CPU with AMX)")
     threads: int = Field(0, ge=0, description="torch/OpenMP threads of the server (0: library default)")
     start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the server to announce its port")
     stop_timeout_s: float = Field(60.0, gt=0, description="Longest wait after SIGTERM before SIGKILL")
@@ -186,25 +185,25 @@ async def serve_checkpoint(path: Path, settings: CheckpointServing, log_file: Pa
     from safetensors.torch import load_file
 
     from sciproto.lora import LoraSpec
+    from sciproto.weights.wire import PROTO_TO_DTYPE
 
     folder = checkpoint_folder(path)
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     model, seed = base_model_of(folder, settings.model)
     lora = manifest.get("lora")
     threads = {"OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
-    # The child serves on the CPU (the transformers backend's default device).
-    served = auto_dtype("cpu")[0] if settings.dtype == "auto" else settings.dtype
     process: ServerProcess = await asyncio.to_thread(
-        start_server, ["serve", "policy", "--model", model, "--port", "0", "--set", f"dtype={served}",
+        start_server, ["serve", "policy", "--model", model, "--port", "0", "--set", f"dtype={settings.dtype}",
                        "--set", f"seed={seed}"],
         timeout_s=settings.start_timeout_s, log_file=log_file, env=threads if settings.threads else None)
     try:
-        dtype = getattr(torch, served)
-        weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                   for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
         client = PolicyClient(make_channel(process.target))
         version = max(1, int(manifest.get("policy_version", 0)))
         try:
+            # The weights go in the dtype the server says it serves (it resolves `auto` itself).
+            served = PROTO_TO_DTYPE[(await client.describe(timeout_s=settings.push_timeout_s)).dtype]
+            weights = {name: tensor.to(getattr(torch, served)) if tensor.is_floating_point() else tensor
+                       for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
             if lora:
                 await client.push_weights(weights, version, timeout_s=settings.push_timeout_s,
                                           adapter=LoraSpec(**lora["spec"]).to_proto())

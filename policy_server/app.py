@@ -37,8 +37,9 @@ def load_policy_config(config: str | None, overrides: Sequence[str] = ()) -> Pol
 
 def resolve_dtype(config: PolicyServerConfig) -> PolicyServerConfig:
     """`dtype: auto` made concrete for the device this server computes on (sciproto.hardware):
-    transformers' configured device; vllm's GPU where there is one, else the CPU."""
-    if config.dtype != "auto":
+    transformers' configured device; vllm's GPU where there is one, else the CPU. The openai
+    backend relays another server's model and has no dtype of its own: left as it is."""
+    if config.dtype != "auto" or config.backend == "openai":
         return config
     if config.backend == "transformers":
         device = config.transformers.device

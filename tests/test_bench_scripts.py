@@ -98,7 +98,6 @@ def test_the_real_model_bench_reads_its_learning_curve_from_the_checkpoints(tmp_
         (2, 80.0, 11, 17.0), (4, 160.0, 26, 38.0)]
 
 
-
 def test_the_time_to_a_gain_is_unknown_when_only_the_final_checkpoint_was_evaluated() -> None:
     # With --curve-every 0 the curve is the final checkpoint alone: past +30 there says the run got
     # there some time before its end, not when.
@@ -110,6 +109,7 @@ def test_the_time_to_a_gain_is_unknown_when_only_the_final_checkpoint_was_evalua
              point]
     assert bench.seconds_to_gain(curve, 30) == 268.0
     assert bench.seconds_to_gain(curve, 50) is None
+
 
 def processes_naming(text: str) -> dict[int, str]:
     """pid -> command line of every process whose command line holds `text`."""
