@@ -220,8 +220,9 @@ class ProcessSettings(BaseModel):
     stop_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait after SIGTERM before SIGKILL"
     )
-    # CPU threads of each server's torch/OpenMP pools (0: library default). On a small CPU, one
-    # thread each lets generation and training run side by side instead of fighting for cores.
+    # CPU threads of each server's torch/OpenMP pools (0: library default; vLLM on the CPU: the
+    # cores its worker is bound to, clients.train.placement). On a small CPU, one thread each lets
+    # generation and training run side by side instead of fighting for cores.
     policy_threads: int = Field(0, ge=0)
     learner_threads: int = Field(0, ge=0)
     # CPU cores each server may run on (taskset; empty: any). Giving generation (policy) and

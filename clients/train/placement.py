@@ -24,6 +24,7 @@ each role keeping one. Colocated generated 0.69x the groups and fewer without si
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 def machine_cores() -> list[int]:
@@ -51,18 +52,28 @@ def placement_line(placement: str) -> str:
     return "placement disaggregated: generation and the learner step run side by side"
 
 
-def role_env(placement: str, backend: str, threads: int) -> dict[str, str] | None:
+def vllm_bind(cores: Sequence[int]) -> dict[str, str]:
+    """vLLM's CPU worker bound to exactly `cores`, none kept back: by itself it keeps one core of
+    the machine for other work, so on 2 cores it computes on one whatever the thread setting."""
+    cores = list(cores)
+    contiguous = cores == list(range(cores[0], cores[-1] + 1))
+    bind = f"{cores[0]}-{cores[-1]}" if contiguous and len(cores) > 1 else ",".join(map(str, cores))
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def role_env(placement: str, backend: str, threads: int, cpus: Sequence[int] = ()) -> dict[str, str] | None:
     """The environment of a policy or learner process: its thread pools' size (0: the library
-    default), and with colocated vLLM on the CPU, its worker bound to every core."""
+    default). vLLM's CPU worker, which sizes its pool by its core binding alone, is bound to
+    every core when colocated, and to `threads` of its cores (`cpus`, else the machine's) when
+    disaggregated."""
     if placement == "colocated":
         cores = machine_cores()
         env = {"OMP_NUM_THREADS": str(len(cores)), "MKL_NUM_THREADS": str(len(cores))}
-        if backend == "vllm":
-            contiguous = cores == list(range(cores[0], cores[-1] + 1))
-            bind = f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
-            env |= {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        return env
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
+        return env | vllm_bind(cores) if backend == "vllm" else env
+    if not threads:
+        return None
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return env | vllm_bind((list(cpus) or machine_cores())[:threads]) if backend == "vllm" else env
 
 
-__all__ = ["check_placement", "machine_cores", "placement_line", "role_env"]
+__all__ = ["check_placement", "machine_cores", "placement_line", "role_env", "vllm_bind"]

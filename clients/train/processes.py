@@ -120,7 +120,7 @@ def start_servers(config: RunConfig, run_dir: Path) -> dict[str, ServerProcess]:
                     serve_command("policy", base_path, settings.policy_cpus),
                     timeout_s=timeout_s,
                     log_file=run_dir / "policy.log",
-                    env=role_env(config.placement, config.policy.backend, settings.policy_threads),
+                    env=role_env(config.placement, config.policy.backend, settings.policy_threads, settings.policy_cpus),
                 )
             failures = []
             for name, future in futures.items():
