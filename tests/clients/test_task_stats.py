@@ -61,11 +61,12 @@ def test_a_task_is_set_aside_after_its_window_of_groups_without_signal_and_a_mix
     record = stats.tasks["toy/train/0"]
     assert (record.groups, record.samples, record.solved, record.above) == (5, 13, 7, 1)
     assert stats.summary() == {"tasks": 1, "groups": 5, "set_aside": 1, "set_aside_solved": 0,
-                                "set_aside_unsolved": 1, "passed_over": 0, "revisited": 0}
+                                "set_aside_unsolved": 1, "passed_over": 0, "revisited": 0,
+                                "revisited_all_set_aside": 0}
     assert TaskStats(TaskFilter(enabled=False), stats.tasks).set_aside(task) is None
 
 
-def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_tasks_never_stalls() -> None:
+def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_tasks_never_stalls(caplog) -> None:
     stats = TaskStats(TaskFilter(window=1, revisit_prob=0.2))
     stats.record(group(0, [1.0, 1.0]))  # task 0 of 4: solved
     tasks = asyncio.run(take(stream_of(stats, 4), 400))
@@ -73,6 +74,7 @@ def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_task
     assert 0 < counts[0] < counts[1] / 2, counts  # revisited, at about a fifth of the others' rate
     assert stats.revisited == counts[0] and stats.passed_over > 0
     assert abs(stats.revisited + stats.passed_over - counts[1]) <= 1, "each turn of task 0 is counted once"
+    assert stats.revisited_all_aside == 0 and "set aside" not in caplog.text
 
     # Every task set aside and no revisits asked for: the stream still refills (a whole cycle
     # passed over, then the next task is revisited) rather than wait for ever.
@@ -81,13 +83,18 @@ def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_task
         none_back.record(group(index, [0.0, 0.0]))
     assert sorted(set(asyncio.run(asyncio.wait_for(take(stream_of(none_back, 4), 8), 5)))) == [0, 1, 2, 3]
     assert none_back.summary()["set_aside"] == 4 and none_back.revisited == 8
+    # ... and says once that the split has run out, counting the turns that came of it.
+    assert none_back.summary()["revisited_all_set_aside"] == 8
+    said = [r.getMessage() for r in caplog.records if "every task of" in r.getMessage()]
+    assert said == ["every task of toy:train is set aside (its last 1 groups gave no signal): revisiting them in"
+                    " turn; more tasks would give GRPO more to learn from"]
 
 
 def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path: Path) -> None:
     stats = TaskStats()
     for index, rewards in enumerate([[1.0, 1.0], [0.0, 0.5, 1.0], [0.0, 0.0], [0.25, 0.25]] * 3):
         stats.record(group(index % 5, rewards))
-    stats.passed_over, stats.revisited = 3, 1
+    stats.passed_over, stats.revisited, stats.revisited_all_aside = 3, 2, 1
     snapshots = TaskStatsFile(tmp_path, checkpoint_every=10)
     snapshots.save(stats, 10)
     at_10 = json.loads(json.dumps(stats.snapshot()))
