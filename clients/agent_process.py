@@ -93,9 +93,12 @@ async def _spawn(program: AgentProgram, env: Mapping[str, str]) -> None:
             *program.argv(), stdout=asyncio.subprocess.DEVNULL, stderr=stderr, env={**os.environ, **env}))
         try:
             process = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us
-            with contextlib.suppress(Exception):
-                await kill_and_wait(await starting)
+        except asyncio.CancelledError:  # cancelled while the process started: it must not outlive us,
+            # even when cancelled again meanwhile (awaiting `starting` itself would cancel the start
+            # after the fork, leaving the process unwaited)
+            await _wait_through_cancellation(starting, KILL_WAIT_S)
+            if starting.done() and not starting.cancelled() and starting.exception() is None:
+                await kill_and_wait(starting.result())
             raise
         try:
             await asyncio.wait_for(process.wait(), program.timeout_s)

@@ -115,6 +115,33 @@ def test_a_run_past_its_timeout_or_cancelled_is_killed(tmp_path: Path, preload: 
         assert gone(pid, within_s=1.0), f"run {pid} outlived its call"
 
 
+def test_a_run_cancelled_twice_while_its_process_starts_leaves_no_process(tmp_path: Path) -> None:
+    # A run's end cancels it, and the event loop's shutdown may cancel it again while it is still
+    # waiting for its process to start: the process must still be killed and waited for, or it
+    # outlives the run and asyncio complains once the loop is closed.
+    marker = f"sciproto-twice-cancelled-{tmp_path.name}"
+    agent = AgentProgram(f"{sys.executable} -c 'import time; time.sleep(600)' {marker}", 60.0)
+
+    async def main(first: int, second: int) -> None:
+        async with launcher(agent) as launch:
+            run = asyncio.ensure_future(launch({}))
+            for _ in range(first):  # the run asks for its process, which starts over a few loop turns
+                await asyncio.sleep(0)
+            run.cancel()
+            for _ in range(second):  # it waits for the process, to kill it
+                await asyncio.sleep(0)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+
+    for first in range(4):
+        for second in range(6):
+            asyncio.run(main(first, second))
+            left = subprocess.run(["pgrep", "-f", marker], check=False, capture_output=True, text=True, timeout=30)
+            subprocess.run(["pkill", "-f", marker], check=False, timeout=30)
+            assert left.stdout == "", f"cancelled after {first} and {second} loop turns, its process outlived it"
+
+
 def test_the_fork_server_imports_once_and_stops_with_its_runs(tmp_path: Path) -> None:
     async def main() -> tuple[int, int]:
         server = ForkServer(program(tmp_path))
