@@ -86,8 +86,8 @@ def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_task
     # ... and says once that the split has run out, counting the turns that came of it.
     assert none_back.summary()["revisited_all_set_aside"] == 8
     said = [r.getMessage() for r in caplog.records if "every task of" in r.getMessage()]
-    assert said == ["every task of toy:train is set aside (its last 1 groups gave no signal): revisiting them in"
-                    " turn; more tasks would give GRPO more to learn from"]
+    assert said == [("every task of toy:train is set aside (its last 1 groups gave no signal): revisiting them in"
+                     " turn; more tasks would give GRPO more to learn from")]
 
 
 def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path: Path) -> None:
