@@ -78,11 +78,11 @@ class TaskStream:
             return False
         cycle = len(self.chosen) if self.chosen is not None else self.size
         if cycle is not None and passed >= cycle:
-            if not self.stats.revisited_all_aside:
+            if not self.stats.revisited_all_set_aside:
                 log.warning("every task of %s:%s is set aside (its last %d groups gave no signal): revisiting them"
                             " in turn; more tasks would give GRPO more to learn from", self.env_name, self.split,
                             self.stats.settings.window)
-            self.stats.revisited_all_aside += 1
+            self.stats.revisited_all_set_aside += 1
             self.stats.revisited += 1
             return False
         if self.chance.random() < self.stats.settings.revisit_prob:

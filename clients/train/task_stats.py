@@ -128,7 +128,7 @@ class TaskStats:
     tasks: dict[str, TaskRecord] = field(default_factory=dict)  # by TaskKey.group_id
     passed_over: int = 0  # turns of a set-aside task skipped
     revisited: int = 0  # turns of a set-aside task generated anyway
-    revisited_all_aside: int = 0  # of those, the turns that came after a whole cycle set aside
+    revisited_all_set_aside: int = 0  # of those, the turns that came after a whole cycle set aside
     # The tasks set aside now, and why: kept as each group is recorded, so that counting them
     # after every group does not judge every task again.
     aside: dict[str, str] = field(init=False, default_factory=dict)
@@ -169,19 +169,19 @@ class TaskStats:
             "set_aside_unsolved": reasons.count("unsolved"),
             "passed_over": self.passed_over,
             "revisited": self.revisited,
-            "revisited_all_set_aside": self.revisited_all_aside,
+            "revisited_all_set_aside": self.revisited_all_set_aside,
         }
 
     def snapshot(self) -> dict[str, Any]:
         return {"tasks": {task: r.to_json() for task, r in self.tasks.items()},
                 "passed_over": self.passed_over, "revisited": self.revisited,
-                "revisited_all_aside": self.revisited_all_aside}
+                "revisited_all_set_aside": self.revisited_all_set_aside}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.tasks = {task: TaskRecord.from_json(r) for task, r in snapshot["tasks"].items()}
         self.passed_over = int(snapshot.get("passed_over", 0))
         self.revisited = int(snapshot.get("revisited", 0))
-        self.revisited_all_aside = int(snapshot.get("revisited_all_aside", 0))
+        self.revisited_all_set_aside = int(snapshot.get("revisited_all_set_aside", 0))
         self._judge_all()
 
     def seed(self, curriculum: Curriculum) -> None:

@@ -74,7 +74,7 @@ def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_task
     assert 0 < counts[0] < counts[1] / 2, counts  # revisited, at about a fifth of the others' rate
     assert stats.revisited == counts[0] and stats.passed_over > 0
     assert abs(stats.revisited + stats.passed_over - counts[1]) <= 1, "each turn of task 0 is counted once"
-    assert stats.revisited_all_aside == 0 and "set aside" not in caplog.text
+    assert stats.revisited_all_set_aside == 0 and "set aside" not in caplog.text
 
     # Every task set aside and no revisits asked for: the stream still refills (a whole cycle
     # passed over, then the next task is revisited) rather than wait for ever.
@@ -94,7 +94,7 @@ def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path:
     stats = TaskStats()
     for index, rewards in enumerate([[1.0, 1.0], [0.0, 0.5, 1.0], [0.0, 0.0], [0.25, 0.25]] * 3):
         stats.record(group(index % 5, rewards))
-    stats.passed_over, stats.revisited, stats.revisited_all_aside = 3, 2, 1
+    stats.passed_over, stats.revisited, stats.revisited_all_set_aside = 3, 2, 1
     snapshots = TaskStatsFile(tmp_path, checkpoint_every=10)
     snapshots.save(stats, 10)
     at_10 = json.loads(json.dumps(stats.snapshot()))
