@@ -15,6 +15,7 @@ the rollout files, counts it and sends it to the learner. The modes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -53,8 +54,9 @@ class TaskStream:
     """The tasks of the split (or the curriculum's tasks of it), cycled; each pass is an epoch, and a
     resumed run starts after the groups its learner trained. A task is admitted only when the flow
     has room for another group. A task set aside (clients.train.task_stats) is passed over, except
-    with probability rollout.task_filter.revisit_prob; after a whole cycle passed over the next one
-    is revisited anyway, so refilling never waits on the filter."""
+    with probability rollout.task_filter.revisit_prob, when a set-aside task is revisited in its
+    place (the most promising one, or itself: `TaskStats.revisit_instead_of`); after a whole cycle
+    passed over a revisit comes anyway, so refilling never waits on the filter."""
 
     env_name: str
     split: str
@@ -72,30 +74,39 @@ class TaskStream:
             return TaskKey(self.env_name, self.split, self.chosen[number % len(self.chosen)])
         return TaskKey(self.env_name, self.split, number if self.size is None else number % self.size)
 
-    def passes_over(self, task: TaskKey, passed: int) -> bool:
-        """Whether to skip `task` now, `passed` tasks having been skipped in a row."""
+    def turn(self, task: TaskKey, passed: int) -> TaskKey | None:
+        """What `task`'s turn generates, `passed` tasks having been skipped in a row: `task`, a
+        set-aside task revisited in its place, or nothing (None: passed over)."""
         if self.stats.set_aside(task) is None:
-            return False
+            self.stats.handed_out(task, revisit=False)
+            return task
         cycle = len(self.chosen) if self.chosen is not None else self.size
         if cycle is not None and passed >= cycle:
             if not self.stats.revisited_all_set_aside:
-                log.warning("every task of %s:%s is set aside (its last %d groups gave no signal): revisiting them"
-                            " in turn; more tasks would give GRPO more to learn from", self.env_name, self.split,
-                            self.stats.settings.window)
+                log.warning("every task of %s:%s is set aside (its last %d groups gave no signal): revisiting"
+                            " %s; more tasks would give GRPO more to learn from", self.env_name, self.split,
+                            self.stats.settings.window,
+                            "the most promising" if self.stats.settings.revisit == "promising" else "them in turn")
             self.stats.revisited_all_set_aside += 1
-            self.stats.revisited += 1
-            return False
-        if self.chance.random() < self.stats.settings.revisit_prob:
-            self.stats.revisited += 1
-            return False
-        self.stats.passed_over += 1
-        return True
+        elif self.chance.random() >= self.stats.settings.revisit_prob:
+            self.stats.passed_over += 1
+            return None
+        revisit = self.stats.revisit_instead_of(task, self.within)
+        self.stats.handed_out(revisit, revisit=True)
+        return revisit
+
+    @functools.cached_property
+    def within(self) -> frozenset[str] | None:
+        """The group ids a revisit may pick from: the curriculum's tasks (None: any of the split)."""
+        if self.chosen is None:
+            return None
+        return frozenset(TaskKey(self.env_name, self.split, index).group_id for index in self.chosen)
 
     async def stream(self) -> AsyncIterator[TaskKey]:
         passed = 0  # set-aside tasks skipped in a row
         for number in itertools.count(self.start):
-            task = self.task_at(number)
-            if self.passes_over(task, passed):
+            task = self.turn(self.task_at(number), passed)
+            if task is None:
                 passed += 1
                 continue
             passed = 0

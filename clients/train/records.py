@@ -118,7 +118,8 @@ class TrainOutcome(BaseModel):
     # over groups), prompt_tokens_per_turn_mean / _max (every Generate), tasks_failed.
     step_groups: dict[str, float] = {}
     # Per-task statistics (clients.train.task_stats.TaskStats.summary): tasks seen, groups, tasks set
-    # aside at the end (all, solved, unsolved), turns of set-aside tasks passed over and revisited.
+    # aside at the end (all, solved, unsolved), turns of set-aside tasks passed over and revisited,
+    # and the revisits that came back mixed.
     task_stats: dict[str, int] = {}
     # Every fate the client recorded per group id (one each); not written to summary.json.
     group_fates: dict[str, list[str]] = Field(default_factory=dict, exclude=True)

@@ -104,9 +104,9 @@ def calibration_row(outcome: TrainOutcome) -> str:
 def set_aside_row(outcome: TrainOutcome) -> str:
     counts = outcome.task_stats
     return (f"{counts['set_aside']} ({counts['set_aside_solved']} / {counts['set_aside_unsolved']}) /"
-            f" {counts['passed_over']} / {counts['revisited']}"
-            + (f" ({counts['revisited_all_set_aside']} with every task set aside)"
-               if counts.get("revisited_all_set_aside") else ""))
+            f" {counts['passed_over']} / {counts['revisited']} ({counts.get('revisits_mixed', 0)} mixed"
+            + (f", {counts['revisited_all_set_aside']} with every task set aside"
+               if counts.get("revisited_all_set_aside") else "") + ")")
 
 
 def print_summary(outcome: TrainOutcome, console: Console | None = None) -> None:

@@ -62,7 +62,7 @@ def test_a_task_is_set_aside_after_its_window_of_groups_without_signal_and_a_mix
     assert (record.groups, record.samples, record.solved, record.above) == (5, 13, 7, 1)
     assert stats.summary() == {"tasks": 1, "groups": 5, "set_aside": 1, "set_aside_solved": 0,
                                 "set_aside_unsolved": 1, "passed_over": 0, "revisited": 0,
-                                "revisited_all_set_aside": 0}
+                                "revisited_all_set_aside": 0, "revisits_mixed": 0}
     assert TaskStats(TaskFilter(enabled=False), stats.tasks).set_aside(task) is None
 
 
@@ -86,15 +86,56 @@ def test_a_set_aside_task_comes_back_now_and_then_and_a_stream_of_set_aside_task
     # ... and says once that the split has run out, counting the turns that came of it.
     assert none_back.summary()["revisited_all_set_aside"] == 8
     said = [r.getMessage() for r in caplog.records if "every task of" in r.getMessage()]
-    assert said == [("every task of toy:train is set aside (its last 1 groups gave no signal): revisiting them in"
-                     " turn; more tasks would give GRPO more to learn from")]
+    assert said == [("every task of toy:train is set aside (its last 1 groups gave no signal): revisiting the most"
+                     " promising; more tasks would give GRPO more to learn from")]
+
+
+def test_a_revisit_generates_the_set_aside_task_most_likely_to_teach_and_counts_what_it_gave() -> None:
+    stats = TaskStats(TaskFilter(window=1, revisit_prob=1.0))
+    # Six tasks, all set aside by their last group: 0-2 were solved every time, 3 was mixed once
+    # (3 of 8 solved), 4 unsolved every time, 5 was mixed twice (4 of 10). Task 6 is not set aside.
+    for index in range(3):
+        stats.record(group(index, [1.0, 1.0, 1.0, 1.0]))
+    stats.record(group(3, [1.0, 0.0, 0.0, 0.0]))
+    stats.record(group(3, [1.0, 1.0, 0.0, 0.0]))
+    stats.record(group(3, [0.0, 0.0, 0.0, 0.0]))
+    stats.record(group(4, [0.0, 0.0, 0.0, 0.0]))
+    stats.record(group(5, [1.0, 0.0, 1.0, 0.0]))
+    stats.record(group(5, [1.0, 1.0, 0.0, 0.0]))
+    stats.record(group(5, [0.0, 0.0]))
+    assert sorted(stats.aside) == [f"toy/train/{i}" for i in range(6)]
+    promise = {i: stats.tasks[f"toy/train/{i}"].promise() for i in range(6)}
+    assert promise[5] > promise[3] > promise[4] == promise[0], promise  # p = 5/12, 4/14, 1/6, 5/6
+
+    tasks = stream_of(stats, 7)
+    # Task 0's turn: 5 is the most promising; with 5 in flight, 3; with both, the rest tie with
+    # task 0, whose turn it is. Task 6 is not set aside: its own turn, never a revisit.
+    assert tasks.turn(TaskKey("toy", "train", 0), 0).index == 5
+    assert tasks.turn(TaskKey("toy", "train", 1), 0).index == 3
+    assert tasks.turn(TaskKey("toy", "train", 0), 0).index == 0
+    assert tasks.turn(TaskKey("toy", "train", 6), 0).index == 6
+    assert stats.revisited == 3 and stats.generating == {"toy/train/5", "toy/train/3", "toy/train/0", "toy/train/6"}
+    # The revisits' groups come back: one mixed (5), one not (3); a group of a task handed out in its
+    # own turn (6) is no revisit.
+    stats.record(group(5, [1.0, 0.0]))
+    stats.record(group(3, [0.0, 0.0]))
+    stats.record(group(6, [1.0, 0.0]))
+    assert stats.revisits_mixed == 1 and stats.summary()["revisits_mixed"] == 1
+    assert stats.generating == {"toy/train/0"} and stats.revisiting == {"toy/train/0"}
+    assert stats.snapshot()["revisits_mixed"] == 1
+
+    # A curriculum's stream revisits only the curriculum's tasks; `in_turn` revisits the task at hand.
+    curriculum = TaskStream("toy", "train", 7, [0, 1, 3], 0, {}, Flow(100), RunStatus(batch_groups=1), stats)
+    assert curriculum.turn(TaskKey("toy", "train", 1), 0).index == 3
+    in_turn = TaskStats(TaskFilter(window=1, revisit_prob=1.0, revisit="in_turn"), stats.tasks)
+    assert stream_of(in_turn, 7).turn(TaskKey("toy", "train", 1), 0).index == 1
 
 
 def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path: Path) -> None:
     stats = TaskStats()
     for index, rewards in enumerate([[1.0, 1.0], [0.0, 0.5, 1.0], [0.0, 0.0], [0.25, 0.25]] * 3):
         stats.record(group(index % 5, rewards))
-    stats.passed_over, stats.revisited, stats.revisited_all_set_aside = 3, 2, 1
+    stats.passed_over, stats.revisited, stats.revisited_all_set_aside, stats.revisits_mixed = 3, 2, 1, 1
     snapshots = TaskStatsFile(tmp_path, checkpoint_every=10)
     snapshots.save(stats, 10)
     at_10 = json.loads(json.dumps(stats.snapshot()))
