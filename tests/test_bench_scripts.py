@@ -193,3 +193,41 @@ def test_the_real_model_bench_refuses_eval_tasks_without_a_split() -> None:
     assert done.returncode != 0
     assert "--eval-tasks 'toytest' must look like ENV:SPLIT" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_revisit_bench_resumes_copies_of_one_run_and_counts_only_what_each_arm_did(tmp_path: Path) -> None:
+    from clients.train.task_stats import TaskStats, TaskStatsFile
+    from sciproto.rundir import LEARNER_STATE_FILE, MANIFEST_FILE, TASK_STATS_FILE, checkpoint_dir
+
+    bench = load_bench("task_revisits")
+    source = tmp_path / "source"
+    for step in (10, 20):
+        folder = checkpoint_dir(source, step)
+        folder.mkdir(parents=True)
+        (folder / MANIFEST_FILE).write_text("{}")
+        (folder / LEARNER_STATE_FILE).write_text(json.dumps({"step": step}))
+    (source / "config.yaml").write_text("run: {name: x}\n")
+    (source / "rollouts.jsonl").write_text("{}\n")
+    stats = TaskStats()
+    stats.revisited, stats.revisits_mixed = 5, 1
+    TaskStatsFile(source, checkpoint_every=10).save(stats, 20)
+
+    arm = tmp_path / "arms" / "promising" / "run"
+    bench.prepare(source, arm)
+    # The latest checkpoint only, its files shared (hard links), and nothing the resumed run writes.
+    assert sorted(p.name for p in (arm / "checkpoints").iterdir()) == ["step_00000020"]
+    copied = arm / "checkpoints" / "step_00000020" / LEARNER_STATE_FILE
+    assert copied.stat().st_ino == (source / "checkpoints" / "step_00000020" / LEARNER_STATE_FILE).stat().st_ino
+    assert sorted(p.name for p in arm.iterdir()) == ["checkpoints", "config.yaml", TASK_STATS_FILE]
+
+    # The resumed run's summary counts revisits since the start of the run it resumed.
+    (arm / "summary.json").write_text(json.dumps({
+        "groups_generated": 40, "groups_refused": {"no_signal": 30}, "tokens_per_s": 150.0, "stopped_by": "budget",
+        "task_stats": {"revisited": 25, "revisits_mixed": 9}}))
+    (arm / "metrics.jsonl").write_text('{"step": 21}\n{"step": 22}\n')
+    before = TaskStats()
+    assert bench.restore_task_stats(before, source) == 20
+    assert bench.figures(arm, before) == {
+        "groups_generated": 40, "groups_no_signal": 30, "groups_with_signal_per_100": 25.0, "grpo_steps": 2,
+        "revisits": 20, "revisits_mixed": 8, "revisits_mixed_frac": 0.4, "tokens_per_s": 150.0,
+        "stopped_by": "budget"}
