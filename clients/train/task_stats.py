@@ -23,13 +23,16 @@ Which set-aside task a revisit generates (`revisit: promising`, the default) is 
 record promises the most signal, not in flight already. A GRPO group teaches when its rewards
 differ; for a task that a sample solves with probability p, the chance that a group of n does is
 
-    P(mixed) = 1 - p^n - (1 - p)^n,   with p estimated as (solved + 1) / (samples + 2)
+    P(mixed) = 1 - p^n - (1 - p)^n,   with p estimated as (s + 1) / (m + 2)
 
-(Laplace's rule over every scored sample of the task). P(mixed) rises and falls with p (1 - p)
-whatever n is, so the stream ranks by `promise = p (1 - p)`. A task solved 2 times of 6 before a
-group all right outranks one that was all right every time: in a 60-minute tool-use run (911
-groups, 661 of them a task's second or later) the fifth of those later groups whose task had the
-highest promise came back mixed 47% of the time, against 15% over all of them. `revisit: in_turn` generates the set-aside task whose
+(Laplace's rule), where m and s are the task's scored and solved samples with each group counted
+half as much as the next one (`RECENCY`: the policy that sampled older groups is gone), so
+m <= 2n. P(mixed) rises and falls with p (1 - p) whatever n is, so the stream ranks by
+`promise = p (1 - p)`. A task solved 3 times of 6 and then 6 of 6 outranks one solved 6 of 6 at
+its only visit; after two more groups all right it no longer does. In a 60-minute tool-use run
+(911 groups, 661 of them a task's second or later) the fifth of those later groups whose task had
+the highest promise came back mixed 46% of the time, against 15% over all of them. Counting every
+sample alike instead kept a task mixed long ago on top through 22 groups all right in 10 minutes. `revisit: in_turn` generates the set-aside task whose
 turn it is, as before. `revisits_mixed` counts the revisits whose group came back mixed.
 
 The statistics are persisted in the run directory (`sciproto.rundir.TASK_STATS_FILE`): a
@@ -59,6 +62,7 @@ from sciproto.rundir import TASK_STATS_FILE, checkpoint_step, latest_checkpoint
 SCHEMA = "sciproto.task_stats/1"
 NO_SIGNAL = frozenset({"solved", "unsolved", "equal"})
 RECENT_KEPT = 4  # group outcomes kept per task (at least the filter's window)
+RECENCY = 0.5  # the weight of a task's earlier samples each time a group is added (promise)
 
 
 class TaskFilter(BaseModel):
@@ -113,6 +117,9 @@ class TaskRecord:
     solved: int = 0  # scored the full reward
     above: int = 0  # above their group's mean reward
     recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_KEPT))
+    # Scored and solved samples, each group weighing RECENCY times the next one (promise).
+    weighted_samples: float = 0.0
+    weighted_solved: float = 0.0
 
     def add(self, outcome: str, samples: int, solved: int, above: int) -> None:
         self.groups += 1
@@ -120,6 +127,8 @@ class TaskRecord:
         self.solved += solved
         self.above += above
         self.recent.append(outcome)
+        self.weighted_samples = RECENCY * self.weighted_samples + samples
+        self.weighted_solved = RECENCY * self.weighted_solved + solved
 
     def no_signal(self, window: int) -> str | None:
         """'solved' / 'unsolved' / 'equal' when each of the last `window` groups had no signal
@@ -130,18 +139,24 @@ class TaskRecord:
         return last[-1]
 
     def promise(self) -> float:
-        """p (1 - p), p = (solved + 1) / (samples + 2): ranks the chance that a group gives signal."""
-        # (solved + 1) (unsolved + 1) / (samples + 2)^2: the same value for p and 1 - p, exactly
-        return (self.solved + 1) * (self.samples - self.solved + 1) / (self.samples + 2) ** 2
+        """p (1 - p), p = (s + 1) / (m + 2) of the weighted counts: ranks the chance that a group
+        gives signal."""
+        m, s = self.weighted_samples, self.weighted_solved
+        # (s + 1) (m - s + 1) / (m + 2)^2: the same value for p and 1 - p
+        return (s + 1) * (m - s + 1) / (m + 2) ** 2
 
     def to_json(self) -> dict[str, Any]:
         return {"groups": self.groups, "samples": self.samples, "solved": self.solved, "above": self.above,
-                "recent": list(self.recent)}
+                "recent": list(self.recent), "weighted_samples": self.weighted_samples,
+                "weighted_solved": self.weighted_solved}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TaskRecord:
         record = cls(int(data["groups"]), int(data["samples"]), int(data["solved"]), int(data["above"]))
         record.recent.extend(data["recent"])
+        # A snapshot written before the weighted counts: every sample alike.
+        record.weighted_samples = float(data.get("weighted_samples", record.samples))
+        record.weighted_solved = float(data.get("weighted_solved", record.solved))
         return record
 
 

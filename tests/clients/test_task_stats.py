@@ -16,7 +16,13 @@ from clients.train.flow import FATES, Flow, GroupLedger
 from clients.train.producers import GroupSink, TaskStream
 from clients.train.records import TrainOutcome
 from clients.train.stream import LearnerStream
-from clients.train.task_stats import TaskFilter, TaskStats, TaskStatsFile, restore_task_stats
+from clients.train.task_stats import (
+    TaskFilter,
+    TaskRecord,
+    TaskStats,
+    TaskStatsFile,
+    restore_task_stats,
+)
 from sciproto.client.rollouts import RolloutGroup, RolloutRecord, RolloutStatus, TaskKey
 from sciproto.pb import learner_pb2
 from sciproto.rundir import LEARNER_STATE_FILE, MANIFEST_FILE, TASK_STATS_FILE, checkpoint_dir
@@ -105,7 +111,7 @@ def test_a_revisit_generates_the_set_aside_task_most_likely_to_teach_and_counts_
     stats.record(group(5, [0.0, 0.0]))
     assert sorted(stats.aside) == [f"toy/train/{i}" for i in range(6)]
     promise = {i: stats.tasks[f"toy/train/{i}"].promise() for i in range(6)}
-    assert promise[5] > promise[3] > promise[4] == promise[0], promise  # p = 5/12, 4/14, 1/6, 5/6
+    assert promise[5] > promise[3] > promise[4] == promise[0], promise  # p = 2.5/7, 2.25/9, 1/6, 5/6
 
     tasks = stream_of(stats, 7)
     # Task 0's turn: 5 is the most promising; with 5 in flight, 3; with both, the rest tie with
@@ -129,6 +135,28 @@ def test_a_revisit_generates_the_set_aside_task_most_likely_to_teach_and_counts_
     assert curriculum.turn(TaskKey("toy", "train", 1), 0).index == 3
     in_turn = TaskStats(TaskFilter(window=1, revisit_prob=1.0, revisit="in_turn"), stats.tasks)
     assert stream_of(in_turn, 7).turn(TaskKey("toy", "train", 1), 0).index == 1
+
+
+def test_a_task_mixed_long_ago_and_all_right_since_stops_being_the_most_promising() -> None:
+    once = TaskRecord()
+    once.add("solved", 6, 6, 0)  # all right at its only visit
+    lately = TaskRecord()
+    lately.add("mixed", 6, 3, 3)
+    for turn, ahead in enumerate([True, True, False]):
+        lately.add("solved", 6, 6, 0)
+        assert (lately.promise() > once.promise()) is ahead, (turn, lately.promise(), once.promise())
+    # Eleven groups about half solved, then four all right: the policy that solved half is gone.
+    long_ago = TaskRecord()
+    for _ in range(11):
+        long_ago.add("mixed", 6, 3, 3)
+    for _ in range(4):
+        long_ago.add("solved", 6, 6, 0)
+    assert long_ago.promise() < once.promise(), (long_ago.promise(), once.promise())
+    # The weighted counts survive a snapshot; one written before them counts every sample alike.
+    again = TaskRecord.from_json(json.loads(json.dumps(long_ago.to_json())))
+    assert again.promise() == long_ago.promise()
+    older = {k: v for k, v in once.to_json().items() if not k.startswith("weighted")}
+    assert TaskRecord.from_json(older).promise() == once.promise()
 
 
 def test_the_statistics_of_a_checkpoints_step_survive_a_resume_exactly(tmp_path: Path) -> None:
