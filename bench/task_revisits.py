@@ -11,7 +11,7 @@ statistics; nothing else differs.
 
 Output JSON: {"from", "seconds", "arms": {arm: {"groups_generated", "groups_no_signal",
 "groups_with_signal_per_100", "grpo_steps", "revisits", "revisits_mixed", "revisits_mixed_frac",
-"tokens_per_s"}}, "ratio": {figure: promising / in_turn}}. Revisits still in flight at the stop
+"tasks", "most_groups_of_one_task", "tokens_per_s"}}, "ratio": {figure: promising / in_turn}}. Revisits still in flight at the stop
 count in `revisits` and not in `revisits_mixed`.
 Usage: python bench/task_revisits.py --from runs/<name>/run [--seconds 600] [--out runs/revisits]
        [--output FILE] [--set key=value ...]
@@ -26,12 +26,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from clients.train.task_stats import TaskStats, restore_task_stats
+from sciproto.client.rollouts import read_rollouts
 from sciproto.processes import lifeline_popen_options, sciproto_command
 from sciproto.rundir import (
     METRICS_FILE,
+    ROLLOUTS_FILE,
     SUMMARY_FILE,
     TASK_STATS_FILE,
     latest_checkpoint,
@@ -79,12 +82,16 @@ def figures(arm_dir: Path, before: TaskStats) -> dict:
     counts = summary.get("task_stats", {})
     revisits = counts.get("revisited", 0) - before.revisited
     mixed = counts.get("revisits_mixed", 0) - before.revisits_mixed
+    # How widely the arm spread its groups: the distinct tasks, and the most groups one task had.
+    groups = {(r.env, r.split, r.index, r.group_id) for r in read_rollouts(arm_dir / ROLLOUTS_FILE)}
+    per_task = Counter(group[:3] for group in groups)
     return {
         "groups_generated": generated, "groups_no_signal": no_signal,
         "groups_with_signal_per_100": round(100 * (generated - no_signal) / generated, 1) if generated else None,
         "grpo_steps": len(read_metrics(arm_dir / METRICS_FILE)),
         "revisits": revisits, "revisits_mixed": mixed,
         "revisits_mixed_frac": round(mixed / revisits, 3) if revisits else None,
+        "tasks": len(per_task), "most_groups_of_one_task": max(per_task.values(), default=0),
         "tokens_per_s": summary.get("tokens_per_s"),
         "stopped_by": summary.get("stopped_by"),
     }

@@ -197,6 +197,7 @@ def test_the_real_model_bench_refuses_eval_tasks_without_a_split() -> None:
 
 def test_the_revisit_bench_resumes_copies_of_one_run_and_counts_only_what_each_arm_did(tmp_path: Path) -> None:
     from clients.train.task_stats import TaskStats, TaskStatsFile
+    from sciproto.client.rollouts import RolloutRecord, RolloutStatus
     from sciproto.rundir import LEARNER_STATE_FILE, MANIFEST_FILE, TASK_STATS_FILE, checkpoint_dir
 
     bench = load_bench("task_revisits")
@@ -225,9 +226,15 @@ def test_the_revisit_bench_resumes_copies_of_one_run_and_counts_only_what_each_a
         "groups_generated": 40, "groups_refused": {"no_signal": 30}, "tokens_per_s": 150.0, "stopped_by": "budget",
         "task_stats": {"revisited": 25, "revisits_mixed": 9}}))
     (arm / "metrics.jsonl").write_text('{"step": 21}\n{"step": 22}\n')
+    # Three groups of task 4 (two samples each) and one of task 7.
+    (arm / "rollouts.jsonl").write_text("".join(RolloutRecord(
+        rollout_id=f"toy/train/{index}#{epoch}/{sample}", group_id=f"toy/train/{index}#{epoch}", env="toy",
+        split="train", index=index, sample=sample, status=RolloutStatus.SCORED).to_json_line()
+        for index, epoch in [(4, 0), (4, 1), (4, 2), (7, 0)] for sample in range(2)))
     before = TaskStats()
     assert bench.restore_task_stats(before, source) == 20
     assert bench.figures(arm, before) == {
         "groups_generated": 40, "groups_no_signal": 30, "groups_with_signal_per_100": 25.0, "grpo_steps": 2,
-        "revisits": 20, "revisits_mixed": 8, "revisits_mixed_frac": 0.4, "tokens_per_s": 150.0,
+        "revisits": 20, "revisits_mixed": 8, "revisits_mixed_frac": 0.4, "tasks": 2, "most_groups_of_one_task": 3,
+        "tokens_per_s": 150.0,
         "stopped_by": "budget"}
