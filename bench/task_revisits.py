@@ -11,8 +11,8 @@ statistics; nothing else differs.
 
 Output JSON: {"from", "seconds", "arms": {arm: {"groups_generated", "groups_no_signal",
 "groups_with_signal_per_100", "grpo_steps", "revisits", "revisits_mixed", "revisits_mixed_frac",
-"tasks", "most_groups_of_one_task", "tokens_per_s"}}, "ratio": {figure: promising / in_turn}}. Revisits still in flight at the stop
-count in `revisits` and not in `revisits_mixed`.
+"tasks", "most_groups_of_one_task", "tokens_per_s"}}, "ratio": {figure: promising / in_turn}}.
+Revisits still in flight at the stop count in `revisits` and not in `revisits_mixed`.
 Usage: python bench/task_revisits.py --from runs/<name>/run [--seconds 600] [--out runs/revisits]
        [--output FILE] [--set key=value ...]
 (`--from` is a run of bench/real_model_tools.py or `sciproto train`, with a checkpoint.)

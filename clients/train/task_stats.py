@@ -32,8 +32,9 @@ m <= 2n. P(mixed) rises and falls with p (1 - p) whatever n is, so the stream ra
 its only visit; after two more groups all right it no longer does. In a 60-minute tool-use run
 (911 groups, 661 of them a task's second or later) the fifth of those later groups whose task had
 the highest promise came back mixed 46% of the time, against 15% over all of them. Counting every
-sample alike instead kept a task mixed long ago on top through 22 groups all right in 10 minutes. `revisit: in_turn` generates the set-aside task whose
-turn it is, as before. `revisits_mixed` counts the revisits whose group came back mixed.
+sample alike instead kept a task mixed long ago on top through 22 groups all right in 10 minutes.
+`revisit: in_turn` generates the set-aside task whose turn it is, as before. `revisits_mixed`
+counts the revisits whose group came back mixed.
 
 The statistics are persisted in the run directory (`sciproto.rundir.TASK_STATS_FILE`): a
 snapshot after every optimizer step the client hears of and at the run's end, keeping those a
