@@ -14,6 +14,7 @@ from sciproto.hardware import auto_dtype, auto_precision, cpu_flags
     ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, "bfloat16", "bf16"),
     # AVX-512 bf16 dot products without AMX (AMD Zen 4, Intel Cooper Lake): measured faster too.
     ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16", "bf16"),
+    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "bfloat16", "bf16"),  # both: AMX is named
     ({"avx2", "avx512f"}, "float32", "fp32"),
     (set(), "float32", "fp32"),
 ])
