@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-# CPU flags whose bf16 matmuls were measured faster than fp32 (the module's table), first named in a reason.
+# CPU flags whose bf16 matmuls were measured faster than fp32 (the module's table); where a CPU
+# has both, the first is the one its reason names.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 

@@ -18,8 +18,8 @@ from sciproto.hardware import auto_dtype, auto_precision, cpu_flags
     ({"avx2", "avx512f"}, "float32", "fp32"),
     (set(), "float32", "fp32"),
 ])
-def test_auto_picks_bf16_only_on_a_cpu_with_bf16_matmul_instructions(flags: set[str], dtype: str, precision: str
-                                                                      ) -> None:
+def test_auto_picks_bf16_only_on_a_cpu_with_bf16_matmul_instructions(
+        flags: set[str], dtype: str, precision: str) -> None:
     assert auto_dtype("cpu", frozenset(flags))[0] == dtype
     assert auto_precision("cpu", frozenset(flags))[0] == precision
     reason = auto_dtype("cpu", frozenset(flags))[1]
@@ -31,7 +31,8 @@ def test_this_machines_flags_are_read_from_its_cpuinfo() -> None:
     text = Path("/proc/cpuinfo").read_text()
     line = next(line for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features"))
     assert cpu_flags() == frozenset(line.split(":", 1)[1].split())
-    assert auto_dtype("cpu")[0] == ("bfloat16" if {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32")
+    bf16_flags = {"amx_bf16", "avx512_bf16"} & cpu_flags()
+    assert auto_dtype("cpu")[0] == ("bfloat16" if bf16_flags else "float32")
 
 
 def test_a_cuda_device_is_bf16_only_where_torch_says_it_computes_bf16() -> None:
