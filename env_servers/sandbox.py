@@ -15,12 +15,13 @@ certificate files, environment variables of the server, or network (a network na
 its own loopback) unless `network` is set. Namespaces come from bwrap (`--unshare-*`,
 `--die-with-parent`); this module writes no namespace or seccomp code of its own.
 
-bwrap ties the sandbox to the server's life only part way through its set-up, so a server killed
-in the first milliseconds of a start would leave that sandbox running. Each sandbox therefore gets
-the read end of a pipe whose write end only the server holds (its lifeline): the command checks it
-before it starts, and runs nothing if the server is gone by then; after that, bwrap's own ties hold.
-Without a sandbox (mode "none") the command is tied to the server by the same check and a parent
-death signal set just before it.
+bwrap ties the sandbox to the server's life only part way through its set-up (each of its
+processes sets its parent-death signal some time after it starts), so a server killed in the
+first milliseconds of a start would leave that sandbox running. Each sandbox therefore also gets
+the read end of a pipe whose write end only the server holds (its lifeline), and a watcher process
+inside it that ends the whole sandbox once that pipe closes: when the server has ended, and every
+process it forked without exec with it. Without a sandbox (mode "none") the command gets a parent
+death signal and checks, once that is set, that its parent is still the server.
 
 Limits are set inside the sandbox, just before the command starts, by a few lines of Python that
 call setrlimit and exec the command: address space (memory), CPU seconds, processes, file size,
@@ -76,7 +77,7 @@ class SandboxLimits(BaseModel):
 
     memory_mb: int = Field(2048, gt=0, description="Address space of each process (RLIMIT_AS)")
     cpu_seconds: int = Field(3600, gt=0, description="CPU seconds of each process over its life (RLIMIT_CPU)")
-    max_processes: int = Field(64, gt=0, description="Processes and threads in the sandbox (RLIMIT_NPROC)")
+    max_processes: int = Field(64, gt=0, description="Processes and threads in the sandbox, its watcher among them (RLIMIT_NPROC)")
     max_file_mb: int = Field(256, gt=0, description="Largest file it may write (RLIMIT_FSIZE)")
     workspace_mb: int = Field(512, gt=0, description="Most the workspace may hold after a run")
     tmp_mb: int = Field(256, gt=0, description="Size of its private /tmp (memory-backed)")
@@ -126,25 +127,41 @@ def _namespace_flags(*, network: bool) -> list[str]:
     return [*flags, "--die-with-parent", "--hostname", "sandbox"]
 
 
-# The first lines of both wrappers below, run as `python -I -S -c WRAPPER lifeline ...`: end at once
-# if the server is gone (its end of the lifeline pipe is closed: the pipe reads as hung up).
-_LIFELINE_CHECK = """
-import os, select, sys
-alive = select.poll()
-alive.register(int(sys.argv[1]), select.POLLIN)
-if alive.poll(0):
-    os._exit(70)
-os.close(int(sys.argv[1]))
+# Runs inside the sandbox as `python -I -S -c WATCHER lifeline command-pid`, a child of the
+# command's process: waits for the server's end of the lifeline pipe to close (the pipe reads as
+# hung up), then SIGKILLs every process it may in the sandbox's PID namespace, which ends the
+# sandbox. It ends with the command (PR_SET_PDEATHSIG), and at once if the command's process was
+# gone before that was set.
+WATCHER = """
+import ctypes, os, select, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != int(sys.argv[2]):
+    os._exit(0)
+watch = select.poll()
+watch.register(int(sys.argv[1]), select.POLLIN)
+watch.poll()
+os.kill(-1, signal.SIGKILL)
 """
 
 # Runs inside the sandbox as `python -I -S -c WRAPPER lifeline uid gid as cpu nproc fsize -- command...`:
-# the lifeline check, then the limits, then the sandbox's own user id where one was given; then it
-# execs the command.
-WRAPPER = _LIFELINE_CHECK + """
-import resource
+# the sandbox's own user id where one was given, then the watcher (forked before the exec, so that
+# the command keeps bwrap's pid and exit status), then the limits; then it execs the command.
+WRAPPER = f"""
+import os, resource, sys
 uid, gid, memory, cpu, nproc, fsize = (int(v) for v in sys.argv[2:8])
 if uid >= 0:
     os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
+command = os.getpid()
+if os.fork() == 0:
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.execv(sys.executable,
+                 [sys.executable, "-I", "-S", "-c", {WATCHER!r}, sys.argv[1], str(command)])
+    finally:
+        os._exit(70)
+os.close(int(sys.argv[1]))
 for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
                      (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_FSIZE, fsize),
                      (resource.RLIMIT_CORE, 0)):
@@ -152,13 +169,15 @@ for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
 os.execv(sys.argv[9], sys.argv[9:])
 """
 
-# Runs a command without a sandbox (mode "none") as `python -I -S -c UNSANDBOXED lifeline -- command...`:
-# the command gets SIGKILL when the server ends (PR_SET_PDEATHSIG, kept across exec), set before the
-# lifeline check so that no moment is left between them, then execs. bwrap does the same for a sandbox.
+# Runs a command without a sandbox (mode "none") as
+# `python -I -S -c UNSANDBOXED server-pid -- command...`: the command gets SIGKILL when the server
+# ends (PR_SET_PDEATHSIG, kept across exec); if the server was gone before that was set, the
+# command's parent is no longer the server, and it runs nothing.
 UNSANDBOXED = """
-import ctypes, signal
+import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-""" + _LIFELINE_CHECK + """
+if os.getppid() != int(sys.argv[1]):
+    os._exit(70)
 os.execv(sys.argv[3], sys.argv[3:])
 """
 
@@ -337,7 +356,7 @@ class Sandbox:
         """The full command line that runs `argv` in this sandbox (mode "none": `argv` tied to the
         server's life, and nothing else)."""
         if self.bwrap is None:
-            return [sandbox_python(), "-I", "-S", "-c", UNSANDBOXED, str(_lifeline()), "--", *argv]
+            return [sandbox_python(), "-I", "-S", "-c", UNSANDBOXED, str(os.getpid()), "--", *argv]
         limits = self.limits
         flags = [self.bwrap, *_namespace_flags(network=limits.network)]
         # The private /tmp first, then what is bound into the sandbox: a Python installation or
@@ -382,7 +401,7 @@ class Sandbox:
         process = await asyncio.create_subprocess_exec(
             *command, cwd=self.workspace, env=environment, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if keep_stderr else subprocess.DEVNULL,
-            start_new_session=True, pass_fds=(_lifeline(),))
+            start_new_session=True, pass_fds=() if self.bwrap is None else (_lifeline(),))
         started = SandboxedProcess(process, sandboxed=self.bwrap is not None)
         started.keep_stderr()
         return started

@@ -163,18 +163,55 @@ def test_a_server_killed_while_a_sandbox_starts_leaves_nothing_of_it_running(wor
     subprocess.run([sys.executable, "-c", SPAWNER, mode, str(workspace), *map(str, delays)], check=True,
                    timeout=120, cwd=Path(__file__).resolve().parents[2])
 
+    # The commands sleep 600 s: one still running 60 s after the last start outlived its server. A SIGKILLed one may
+    # take seconds to go on a loaded machine (the other test worker starting vLLM, say).
+    left = _left_running(workspace, wait_s=60)
+    assert left == [], f"{len(left)} sandbox processes outlived the process that started them: {left[:5]}"
+
+
+# Run as `python -c LINGERING MODE WORKSPACE DELAYS...`: as SPAWNER, but each server first forks a worker that
+# holds every descriptor of the server's for 3 s and then exits, as a worker forked without exec would, or one of a
+# server's threads still exiting: the lifeline pipe outlives the process that started the sandbox.
+LINGERING = SPAWNER.replace("""    child = os.fork()
+    if child == 0:
+""", """    child = os.fork()
+    if child == 0:
+        from env_servers.sandbox import _lifeline
+        _lifeline()
+        if os.fork() == 0:
+            import time
+            time.sleep(3)
+            os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_a_sandbox_whose_server_died_as_it_started_ends_though_the_lifeline_lingers(workspace: Path, mode: str) -> None:
+    """The lifeline pipe closes only when every holder of its write end has ended; the server's death must end the
+    command (`none`) or, at the latest, the lifeline's end must end the whole sandbox (`bwrap`, whose parent-death
+    ties are set part way through its set-up), whenever in the start the server died."""
+    assert "_lifeline()" in LINGERING
+    delays = [i * 0.001 for i in range(12)]
+    subprocess.run([sys.executable, "-c", LINGERING, mode, str(workspace), *map(str, delays)], check=True,
+                   timeout=120, cwd=Path(__file__).resolve().parents[2])
+    left = _left_running(workspace, wait_s=30)
+    assert left == [], f"{len(left)} sandbox processes outlived the server and its lifeline: {left[:5]}"
+
+
+def _left_running(workspace: Path, wait_s: float) -> list[tuple[int, str, str]]:
+    """The processes of sandboxes in `workspace` still running after up to `wait_s` seconds (killed, then
+    returned with their state and command line for a failure message)."""
+
     def inside(pid: int) -> bool:
         return str(workspace) in _cmdline(pid) or (_cwd(pid) or "").startswith(str(workspace))
 
-    # The commands sleep 600 s: one still running 60 s after the last start outlived its server. A SIGKILLed one may
-    # take seconds to go on a loaded machine (the other test worker starting vLLM, say).
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + wait_s
     while (left := [pid for pid in _pids() if inside(pid) and _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     seen = [(pid, _stat(pid), _cmdline(pid)[:300]) for pid in left]
     for pid in left:
         os.kill(pid, 9)
-    assert left == [], f"{len(left)} sandbox processes outlived the process that started them: {seen[:5]}"
+    return seen
 
 
 def _cmdline(pid: int) -> str:
