@@ -18,7 +18,8 @@ its own loopback) unless `network` is set. Namespaces come from bwrap (`--unshar
 bwrap ties the sandbox to the server's life only part way through its set-up (each of its
 processes sets its parent-death signal some time after it starts), so a server killed in the
 first milliseconds of a start would leave that sandbox running. Each sandbox therefore also gets
-the read end of a pipe whose write end only the server holds (its lifeline), and a watcher process
+the read end of a pipe whose write end only the server holds (its lifeline,
+`sciproto.processes.lifeline_fd`, the one its other children get), and a watcher process
 inside it that ends the whole sandbox once that pipe closes: when the server has ended, and every
 process it forked without exec with it. Without a sandbox (mode "none") the command gets a parent
 death signal and checks, once that is set, that its parent is still the server.
@@ -51,6 +52,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from env_servers import scratch
+from sciproto.processes import lifeline_fd
 
 log = logging.getLogger("env_servers.sandbox")
 
@@ -290,14 +292,6 @@ class SandboxedProcess:
                 await self._stderr_reader
 
 
-@functools.cache
-def _lifeline() -> int:
-    """The read end of this process's lifeline pipe (see the module's doc). The write end is
-    never written or closed: it closes when this process ends, however it ends."""
-    read, _write = os.pipe()  # both close-on-exec: no other program holds the write end
-    return read
-
-
 def _descendants(root: int) -> list[int]:
     """`root` and every process below it, by parent pid."""
     children: dict[int, list[int]] = {}
@@ -371,7 +365,7 @@ class Sandbox:
         for name, value in {**self._environment(), **(env or {})}.items():
             flags += ["--setenv", name, value]
         gid = self.uid
-        wrapper = [sandbox_python(), "-I", "-S", "-c", WRAPPER, str(_lifeline()), str(self.uid), str(gid),
+        wrapper = [sandbox_python(), "-I", "-S", "-c", WRAPPER, str(lifeline_fd()), str(self.uid), str(gid),
                    str(limits.memory_mb << 20), str(limits.cpu_seconds), str(limits.max_processes),
                    str(limits.max_file_mb << 20), "--"]
         return [*flags, "--", *wrapper, *argv]
@@ -401,7 +395,7 @@ class Sandbox:
         process = await asyncio.create_subprocess_exec(
             *command, cwd=self.workspace, env=environment, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if keep_stderr else subprocess.DEVNULL,
-            start_new_session=True, pass_fds=() if self.bwrap is None else (_lifeline(),))
+            start_new_session=True, pass_fds=() if self.bwrap is None else (lifeline_fd(),))
         started = SandboxedProcess(process, sandboxed=self.bwrap is not None)
         started.keep_stderr()
         return started

@@ -176,8 +176,8 @@ LINGERING = SPAWNER.replace("""    child = os.fork()
     if child == 0:
 """, """    child = os.fork()
     if child == 0:
-        from env_servers.sandbox import _lifeline
-        _lifeline()
+        from sciproto.processes import lifeline_fd
+        lifeline_fd()
         if os.fork() == 0:
             import time
             time.sleep(3)
@@ -190,7 +190,7 @@ def test_a_sandbox_whose_server_died_as_it_started_ends_though_the_lifeline_ling
     """The lifeline pipe closes only when every holder of its write end has ended; the server's death must end the
     command (`none`) or, at the latest, the lifeline's end must end the whole sandbox (`bwrap`, whose parent-death
     ties are set part way through its set-up), whenever in the start the server died."""
-    assert "_lifeline()" in LINGERING
+    assert "lifeline_fd()" in LINGERING
     delays = [i * 0.001 for i in range(12)]
     subprocess.run([sys.executable, "-c", LINGERING, mode, str(workspace), *map(str, delays)], check=True,
                    timeout=120, cwd=Path(__file__).resolve().parents[2])
